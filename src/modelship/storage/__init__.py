@@ -1,0 +1,32 @@
+"""The storage contract: artifact folders with manifests, published atomically."""
+
+from modelship.storage.manifest import (
+    MANIFEST_NAME,
+    ArtifactNotFoundError,
+    ChecksumMismatchError,
+    FileEntry,
+    Manifest,
+    StorageError,
+    hash_inputs,
+    read_manifest,
+    sha256_file,
+    verify_artifact,
+)
+from modelship.storage.store import STORAGE_ENV, Storage, default_root, slugify
+
+__all__ = [
+    "MANIFEST_NAME",
+    "STORAGE_ENV",
+    "ArtifactNotFoundError",
+    "ChecksumMismatchError",
+    "FileEntry",
+    "Manifest",
+    "Storage",
+    "StorageError",
+    "default_root",
+    "hash_inputs",
+    "read_manifest",
+    "sha256_file",
+    "slugify",
+    "verify_artifact",
+]

@@ -1,0 +1,196 @@
+"""The storage root: layout, locks and atomic publishing of artifact folders.
+
+    <root>/models/<slug>/base/                  acquire
+    <root>/models/<slug>/optimized/<variant>/   optimize
+    <root>/models/<slug>/evaluations/           select
+    <root>/models/<slug>/releases/<n>/          select
+    <root>/models/<slug>/production -> releases/<n>
+
+A writer builds an artifact in a temporary sibling (`.tmp-<name>-*`), fsyncs it and renames
+it into place, so a reader sees either nothing or the whole artifact. A lock file beside
+the artifact serializes writers of the same artifact; staging folders left by a writer that
+died are removed by the next writer that holds the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from modelship.storage.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    StorageError,
+    now_iso,
+    scan_files,
+    tool_versions,
+    verify_artifact,
+)
+
+DEFAULT_ROOT = "./modelship-data"
+STORAGE_ENV = "MODELSHIP_STORAGE"
+_SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+def default_root() -> Path:
+    return Path(os.environ.get(STORAGE_ENV) or DEFAULT_ROOT)
+
+
+def slugify(name: str) -> str:
+    """A folder-safe model name: `HuggingFaceTB/SmolLM2-135M` -> `huggingfacetb--smollm2-135m`."""
+    slug = name.strip().lower().replace("/", "--")
+    slug = re.sub(r"[^a-z0-9._-]+", "-", slug).strip("-.")
+    if not slug:
+        raise StorageError(f"cannot make a folder name from {name!r}")
+    return slug
+
+
+class Storage:
+    """Paths of the storage contract under one root, and the means to publish into it."""
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+
+    # Layout -------------------------------------------------------------------------------
+    def model_dir(self, slug: str) -> Path:
+        if not _SLUG_RE.match(slug):
+            raise StorageError(f"invalid model slug {slug!r}")
+        return self.root / "models" / slug
+
+    def base_dir(self, slug: str) -> Path:
+        return self.model_dir(slug) / "base"
+
+    def variant_dir(self, slug: str, variant: str) -> Path:
+        return self.model_dir(slug) / "optimized" / variant
+
+    def evaluations_dir(self, slug: str) -> Path:
+        return self.model_dir(slug) / "evaluations"
+
+    def release_dir(self, slug: str, number: int) -> Path:
+        return self.model_dir(slug) / "releases" / str(number)
+
+    def production_link(self, slug: str) -> Path:
+        return self.model_dir(slug) / "production"
+
+    def cache_dir(self, name: str) -> Path:
+        """Caches that are not artifacts (e.g. the Hub download cache), kept under the root."""
+        return self.root / "cache" / name
+
+    def releases(self, slug: str) -> list[int]:
+        folder = self.model_dir(slug) / "releases"
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+    def production_release(self, slug: str) -> int | None:
+        link = self.production_link(slug)
+        if not link.is_symlink():
+            return None
+        return int(Path(os.readlink(link)).name)
+
+    def set_production(self, slug: str, number: int) -> None:
+        """Point `production` at `releases/<number>` atomically (symlink + rename)."""
+        target = self.release_dir(slug, number)
+        verify_artifact(target)
+        link = self.production_link(slug)
+        tmp = link.with_name(f".tmp-production-{uuid.uuid4().hex[:8]}")
+        os.symlink(Path("releases") / str(number), tmp)
+        os.replace(tmp, link)
+        _fsync_dir(link.parent)
+
+    # Writing ------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self, artifact: Path) -> Iterator[None]:
+        """Hold an exclusive lock on `artifact` (blocks until other writers are done)."""
+        artifact.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = artifact.with_name(f".{artifact.name}.lock")
+        with open(lock_path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                _remove_stale_staging(artifact)
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    @contextmanager
+    def publish(
+        self,
+        artifact: Path,
+        *,
+        kind: str,
+        source: str,
+        revision: str | None,
+        inputs_hash: str,
+        tools: tuple[str, ...] = (),
+        extra: dict[str, Any] | None = None,
+    ) -> Iterator[Path]:
+        """Yield an empty staging folder; on success write its manifest, rename it to `artifact`.
+
+        The caller must hold `lock(artifact)`. If the body raises, the staging folder is
+        removed and `artifact` is left as it was. An existing artifact is replaced.
+        """
+        staging = artifact.with_name(f".tmp-{artifact.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        staging.mkdir(parents=True)
+        try:
+            yield staging
+            manifest = Manifest(
+                kind=kind,
+                source=source,
+                revision=revision,
+                inputs_hash=inputs_hash,
+                files=scan_files(staging),
+                tool_versions=tool_versions(*tools),
+                created_at=now_iso(),
+                extra=extra or {},
+            )
+            (staging / MANIFEST_NAME).write_text(manifest.to_json())
+            _fsync_tree(staging)
+            _swap_into_place(staging, artifact)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _swap_into_place(staging: Path, artifact: Path) -> None:
+    old = None
+    if artifact.exists():
+        old = artifact.with_name(f".old-{artifact.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(artifact, old)
+    os.rename(staging, artifact)
+    _fsync_dir(artifact.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_staging(artifact: Path) -> None:
+    # Called with the artifact's lock held, so any staging sibling belongs to a dead writer.
+    for prefix in (f".tmp-{artifact.name}-", f".old-{artifact.name}-"):
+        for stale in artifact.parent.glob(f"{prefix}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for path in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

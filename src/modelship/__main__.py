@@ -1,0 +1,3 @@
+from modelship.cli import main
+
+main()

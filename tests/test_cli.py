@@ -1,0 +1,85 @@
+"""The `modelship` command line: exit codes and messages, run as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "modelship", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
+
+
+def test_help_lists_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "acquire" in result.stdout and "verify" in result.stdout
+
+
+def test_acquire_local_then_verify(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    result = run_cli("acquire", str(tiny_llama_dir), "--name", "tiny", "--storage", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    base = tmp_path / "models" / "tiny" / "base"
+    assert str(base) in result.stdout.replace("\n", "")
+
+    again = run_cli("acquire", str(tiny_llama_dir), "--name", "tiny", "--storage", str(tmp_path))
+    assert again.returncode == 0 and "memoized" in again.stdout
+
+    verified = run_cli("verify", str(base), "--full")
+    assert verified.returncode == 0 and "match (sha256)" in verified.stdout
+
+    (base / "tokenizer.json").write_text("{}")
+    broken = run_cli("verify", str(base))
+    assert broken.returncode == 1
+    assert "tokenizer.json" in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_storage_from_environment(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    result = run_cli(
+        "acquire", str(tiny_llama_dir), "--name", "t2", env={"MODELSHIP_STORAGE": str(tmp_path)}
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "models" / "t2" / "base" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("./does/not/exist", "no such file or folder"),
+        ("not a repo!", "not a Hub repo id"),
+    ],
+)
+def test_bad_sources_exit_1_with_one_line(source: str, message: str, tmp_path: Path) -> None:
+    result = run_cli("acquire", source, "--storage", str(tmp_path))
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_offline_hub_message(tmp_path: Path) -> None:
+    result = run_cli(
+        "acquire",
+        "acme/tiny",
+        "--storage",
+        str(tmp_path),
+        env={"HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
+    assert result.returncode == 1
+    assert "cannot reach the Hugging Face Hub" in result.stderr
+    assert "demo" in result.stderr
+
+
+def test_revision_on_a_local_folder_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    result = run_cli("acquire", str(tiny_llama_dir), "--revision", "v1", "--storage", str(tmp_path))
+    assert result.returncode == 1
+    assert "--revision applies to Hub repos only" in result.stderr

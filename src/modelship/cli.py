@@ -91,5 +91,72 @@ def verify(
     console.print(f"[green]ok[/] {artifact}: {len(manifest.files)} files match ({mode})")
 
 
+@app.command()
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="An HF model folder (base, variant, release).")],
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients use (default: the folder name).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="MODELSHIP_API_KEY", help="Require this bearer key.")
+    ] = None,
+    variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: per device).")
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length cap.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
+    kv_cache_memory_mb: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    max_waiting_requests: Annotated[
+        int, typer.Option(help="Queue bound before 429 (requests).")
+    ] = 1024,
+    prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = True,
+    grace_period: Annotated[
+        float, typer.Option(help="Seconds to finish requests on SIGTERM.")
+    ] = 30.0,
+) -> None:
+    """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
+    from modelship.engine import EngineConfig
+    from modelship.pipeline.acquire import validate_model_folder
+    from modelship.server.launcher import serve as run_server
+
+    try:
+        validate_model_folder(model_dir)
+        config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_mb * 1024**2,
+            block_size=block_size,
+            max_waiting_requests=max_waiting_requests,
+            enable_prefix_caching=prefix_caching,
+        )
+    except (PipelineError, ValueError) as exc:
+        fail(str(exc))
+        return
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_server(
+        model_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        variant=variant,
+        grace_period_s=grace_period,
+        engine_config=config,
+    )
+
+
 def main() -> None:
     app()

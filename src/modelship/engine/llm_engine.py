@@ -1,0 +1,241 @@
+"""The synchronous engine: requests in, one scheduler step at a time, deltas out.
+
+One step = schedule (a plan of how many tokens each sequence runs) -> execute (the model
+runner) -> update_from_output (the scheduler advances sequences, frees finished ones) ->
+detokenize (stop strings may finish a sequence) -> deltas. A request with `n > 1` becomes
+n sequences; the siblings are held back until the first one has computed the prompt, so
+they take its full blocks from the prefix cache instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modelship.engine.block_manager import BlockManager
+from modelship.engine.config import EngineConfig
+from modelship.engine.detokenizer import IncrementalDetokenizer
+from modelship.engine.model_runner import ModelRunner
+from modelship.engine.outputs import SequenceDelta, TokenLogprob
+from modelship.engine.sampling_params import SamplingParams
+from modelship.engine.scheduler import Scheduler, SchedulerStats
+from modelship.engine.sequence import Sequence
+from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from modelship.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    held_back: list[Sequence] = field(default_factory=list)  # siblings waiting for the prompt
+    num_finished: int = 0
+
+
+class LLMEngine:
+    """Owns the model, KV cache, scheduler and tokenizer of one model replica."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        device = self.config.torch_device
+        self.model_path = Path(model_path)
+        self.model = load_model(self.model_path, device=device, dtype=self.config.dtype)
+        model_config = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+
+        cache_dtype = self.config.cache_dtype(self.model.dtype)
+        block_size = self.config.block_size
+        num_blocks = self.config.num_kv_blocks or max(
+            1,
+            self.config.kv_cache_memory_bytes
+            // kv_cache_bytes_per_block(model_config, block_size, cache_dtype),
+        )
+        self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, cache_dtype, device)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.config,
+            self.block_manager,
+            max_model_len=self.max_model_len,
+            eos_token_ids=set(model_config.eos_token_ids),
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, device)
+        self._requests: dict[str, _Request] = {}
+        self._seq_owner: dict[str, tuple[_Request, int]] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._default_generator = torch.Generator(device=device)
+        self._default_generator.manual_seed(self.config.seed)
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, dtype %s, kv %s",
+            self.model_path,
+            num_blocks,
+            block_size,
+            self.model.dtype,
+            cache_dtype,
+        )
+
+    # Requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises `EngineOverloadedError` / `RequestTooLongError` at once."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        seqs = [
+            Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority=priority)
+            for i in range(params.n)
+        ]
+        self.scheduler.add_request(seqs[0])  # admission control raises here, nothing to undo
+        request = _Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            seqs,
+            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
+            held_back=seqs[1:],
+        )
+        self._requests[request_id] = request
+        for index, seq in enumerate(seqs):
+            self._seq_owner[seq.request_id] = (request, index)
+            self._generators[seq.request_id] = self._make_generator(params, index)
+
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Stop a request now and free its blocks; returns its final (aborted) deltas."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        deltas = []
+        for index, seq in enumerate(request.seqs):
+            if seq.is_finished:
+                continue
+            if seq in request.held_back:
+                seq.finish("abort")
+            else:
+                self.scheduler.abort(seq.request_id)
+            deltas.append(self._delta(request, index, [], "", None, "abort", None))
+        self._forget(request)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # Stepping ------------------------------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        """Run one iteration: every running sequence advances by its planned tokens."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        output = self.runner.execute(plan, self._generators)
+        sampled: dict[str, int] = {}
+        if output.sampler_output is not None:
+            token_ids = output.sampler_output.token_ids.tolist()
+            sampled = {seq.request_id: tok for seq, tok in zip(output.sampled_seqs, token_ids)}
+        self.scheduler.update_from_output(plan, sampled)
+        deltas = []
+        for row, seq in enumerate(output.sampled_seqs):
+            deltas.append(self._process_sampled(seq, row, output.sampler_output))
+        self._release_held_back()
+        return deltas
+
+    def _process_sampled(self, seq: Sequence, row: int, sampler_output) -> SequenceDelta:
+        request, index = self._seq_owner[seq.request_id]
+        token_id = seq.token_ids[-1]
+        detokenized = request.detokenizers[index].update([token_id])
+        stop_reason: str | int | None = None
+        if detokenized.stop_reason is not None and not seq.is_finished:
+            self.scheduler.finish(seq.request_id, "stop")
+            stop_reason = detokenized.stop_reason
+        elif seq.is_finished and seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
+            stop_reason = token_id
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = [_token_logprob(sampler_output, row, token_id, seq.params.logprobs)]
+        finish_reason = seq.finish_reason if seq.is_finished else None
+        delta = self._delta(
+            request, index, [token_id], detokenized.delta_text, logprobs, finish_reason, stop_reason
+        )
+        if seq.is_finished:
+            request.num_finished += 1
+            if request.num_finished == len(request.seqs):
+                self._forget(request)
+        return delta
+
+    def _release_held_back(self) -> None:
+        for request in list(self._requests.values()):
+            first = request.seqs[0]
+            if request.held_back and (first.num_output_tokens > 0 or first.is_finished):
+                for seq in request.held_back:
+                    self.scheduler.add_request(seq, admitted=True)
+                request.held_back = []
+
+    def _delta(self, request, index, token_ids, text, logprobs, finish_reason, stop_reason):
+        seq = request.seqs[index]
+        return SequenceDelta(
+            request_id=request.request_id,
+            index=index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _forget(self, request: _Request) -> None:
+        self._requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self._seq_owner.pop(seq.request_id, None)
+            self._generators.pop(seq.request_id, None)
+
+    def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        if params.seed is None:
+            return self._default_generator
+        generator = torch.Generator(device=self.config.torch_device)
+        generator.manual_seed(params.seed + index)
+        return generator
+
+
+def _token_logprob(sampler_output, row: int, token_id: int, num_top: int) -> TokenLogprob:
+    top: dict[int, float] = {}
+    if num_top > 0 and sampler_output.top_logprob_ids is not None:
+        ids = sampler_output.top_logprob_ids[row, :num_top].tolist()
+        values = sampler_output.top_logprobs[row, :num_top].tolist()
+        top = dict(zip(ids, values, strict=True))
+    return TokenLogprob(token_id, float(sampler_output.logprobs[row]), top)

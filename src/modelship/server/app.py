@@ -1,0 +1,170 @@
+"""The FastAPI app: routes that delegate to `serving`, auth, errors, health and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from modelship.engine import AsyncLLMEngine, SamplingParams
+from modelship.server import protocol as p
+from modelship.server.chat import create_chat_completion
+from modelship.server.completions import create_completion
+from modelship.server.errors import (
+    APIError,
+    AuthenticationError,
+    BadRequestError,
+    UnavailableError,
+)
+from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
+from modelship.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Lifecycle flags read by /ready and by the drain logic."""
+
+    ready: bool = False
+    draining: bool = False
+    num_inflight: int = 0
+
+
+def create_app(
+    engine: AsyncLLMEngine,
+    model_name: str,
+    *,
+    variant: str = "base",
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+) -> FastAPI:
+    """Build the OpenAI-compatible app for one engine (warm-up runs at startup)."""
+    state = ServerState()
+    metrics = ServerMetrics(engine.stats, model_name, variant)
+    serving = OpenAIServing(
+        engine, model_name, max_model_len or engine.engine.max_model_len, metrics
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # One real step before reporting ready: weights paged in, kernels initialized.
+        stream = await engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=1))
+        async for _ in stream:
+            pass
+        state.ready = True
+        logger.info("ready: serving %s (%s)", model_name, variant)
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="modelship", lifespan=lifespan)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def count_inflight(request: Request, call_next):
+        if not request.url.path.startswith("/v1/"):
+            return await call_next(request)
+        if state.draining:
+            return _error_response(UnavailableError("the server is draining; retry elsewhere"))
+        state.num_inflight += 1
+        try:
+            response = await call_next(request)
+        except BaseException:
+            state.num_inflight -= 1
+            raise
+        if isinstance(response, StreamingResponse):
+            body = response.body_iterator
+
+            async def counted():
+                try:
+                    async for part in body:
+                        yield part
+                finally:
+                    state.num_inflight -= 1
+
+            response.body_iterator = counted()
+        else:
+            state.num_inflight -= 1
+        return response
+
+    async def authenticate(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise AuthenticationError("Incorrect or missing API key.")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(_BadJSON())
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error_response(BadRequestError(message, ".".join(loc) or None))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = state.ready and not state.draining
+        status = "ready" if ok else ("draining" if state.draining else "starting")
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(authenticate)])
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=serving.max_model_len)])
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
+    async def chat(body: p.ChatCompletionRequest, request: Request):
+        return await _respond(request, create_chat_completion(serving, body))
+
+    @app.post("/v1/completions", dependencies=[Depends(authenticate)])
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await _respond(request, create_completion(serving, body))
+
+    return app
+
+
+class _BadJSON(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self) -> None:
+        super().__init__("We could not parse the JSON body of your request.")
+
+
+async def _respond(request: Request, work) -> Response:
+    """Run a handler; abort it if the client disconnects before a whole response is ready."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await request.is_disconnected():
+            task.cancel()  # cancelling closes the engine stream, which aborts the request
+            return Response(status_code=499)
+    result = task.result()
+    if isinstance(result, p.BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    body = p.ErrorResponse.of(exc.message, exc.error_type, exc.param, exc.code)
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)

@@ -1,0 +1,88 @@
+"""`POST /v1/chat/completions`: whole responses and SSE streams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from modelship.server import protocol as p
+from modelship.server.serving import SSE_DONE, OpenAIServing, sse
+
+
+async def create_chat_completion(
+    serving: OpenAIServing, request: p.ChatCompletionRequest
+) -> p.ChatCompletionResponse | AsyncIterator[str]:
+    """Validate everything before the engine sees the request; errors raise `APIError`."""
+    serving.check_model(request.model)
+    prompt = serving.chat_prompt(request)
+    params = serving.sampling_params(request, len(prompt))
+    request_id = p.random_id("chatcmpl")
+    num_top = request.top_logprobs or 0
+    if request.stream:
+        deltas = serving.generate(request_id, prompt, params, request.priority)
+        first = await anext(deltas)  # admission errors surface here, before any byte is sent
+        return _stream(serving, request, request_id, len(prompt), first, deltas, num_top)
+    choices = await serving.collect(request_id, prompt, params, request.priority)
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return p.ChatCompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=[
+            p.ChatChoice(
+                index=i,
+                message=p.ChatResponseMessage(content=c.text),
+                logprobs=serving.chat_logprobs(c.logprobs, num_top) if request.logprobs else None,
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=p.Usage(
+            prompt_tokens=len(prompt),
+            completion_tokens=completion_tokens,
+            total_tokens=len(prompt) + completion_tokens,
+        ),
+    )
+
+
+async def _stream(serving, request, request_id, num_prompt_tokens, first, deltas, num_top):
+    created = int(time.time())
+
+    def chunk(index: int, delta: p.ChatDelta, **fields) -> str:
+        choice = p.ChatStreamChoice(index=index, delta=delta, **fields)
+        return sse(
+            p.ChatCompletionChunk(
+                id=request_id, created=created, model=serving.model_name, choices=[choice]
+            )
+        )
+
+    for index in range(request.n):
+        yield chunk(index, p.ChatDelta(role="assistant", content=""))
+    completion_tokens = 0
+
+    # Closing this generator (the client went away) closes `deltas`, which aborts the
+    # request in the engine and frees its blocks.
+    async with aclosing(deltas):
+        delta = first
+        while delta is not None:
+            completion_tokens += len(delta.token_ids)
+            logprobs = None
+            if request.logprobs and delta.logprobs:
+                logprobs = serving.chat_logprobs(delta.logprobs, num_top)
+            if delta.text or logprobs is not None:
+                yield chunk(delta.index, p.ChatDelta(content=delta.text), logprobs=logprobs)
+            if delta.finish_reason is not None:
+                yield chunk(delta.index, p.ChatDelta(), finish_reason=delta.finish_reason)
+            delta = await anext(deltas, None)
+    if request.stream_options and request.stream_options.include_usage:
+        usage = p.Usage(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=num_prompt_tokens + completion_tokens,
+        )
+        yield sse(
+            p.ChatCompletionChunk(
+                id=request_id, created=created, model=serving.model_name, choices=[], usage=usage
+            )
+        )
+    yield SSE_DONE

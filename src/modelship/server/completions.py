@@ -1,0 +1,114 @@
+"""`POST /v1/completions`: one or many prompts (text or token ids), whole or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from modelship.server import protocol as p
+from modelship.server.errors import BadRequestError
+from modelship.server.serving import SSE_DONE, OpenAIServing, sse
+
+
+async def create_completion(
+    serving: OpenAIServing, request: p.CompletionRequest
+) -> p.CompletionResponse | AsyncIterator[str]:
+    serving.check_model(request.model)
+    prompts = serving.completion_prompts(request)
+    if request.echo and request.logprobs is not None:
+        raise BadRequestError("echo with logprobs (prompt logprobs) is not supported yet", "echo")
+    params = [serving.sampling_params(request, len(prompt)) for prompt in prompts]
+    request_id = p.random_id("cmpl")
+    if request.stream:
+        if len(prompts) != 1:
+            raise BadRequestError("streaming supports one prompt per request", "prompt")
+        deltas = serving.generate(request_id, prompts[0], params[0], request.priority)
+        first = await anext(deltas)  # admission errors surface before any byte is sent
+        return _stream(serving, request, request_id, prompts[0], first, deltas)
+
+    results = await asyncio.gather(
+        *(
+            serving.collect(f"{request_id}-{i}", prompt, prm, request.priority)
+            for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
+        )
+    )
+    choices = []
+    completion_tokens = 0
+    for prompt_index, (prompt, per_prompt) in enumerate(zip(prompts, results, strict=True)):
+        prefix = serving.tokenizer.decode(prompt) if request.echo else ""
+        for i, choice in enumerate(per_prompt):
+            completion_tokens += len(choice.token_ids)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = serving.completion_logprobs(choice.logprobs, len(prefix))
+            choices.append(
+                p.CompletionChoice(
+                    index=prompt_index * request.n + i,
+                    text=prefix + choice.text,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                )
+            )
+    num_prompt_tokens = sum(len(prompt) for prompt in prompts)
+    return p.CompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=choices,
+        usage=p.Usage(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=num_prompt_tokens + completion_tokens,
+        ),
+    )
+
+
+async def _stream(serving, request, request_id, prompt, first, deltas):
+    created = int(time.time())
+    completion_tokens = 0
+    offsets = [0] * request.n
+
+    def chunk(choice: p.CompletionChoice) -> str:
+        response = p.CompletionResponse(
+            id=request_id, created=created, model=serving.model_name, choices=[choice]
+        )
+        return sse(response.model_dump(exclude={"usage"}))
+
+    if request.echo:
+        text = serving.tokenizer.decode(prompt)
+        for index in range(request.n):
+            offsets[index] = len(text)
+            yield chunk(p.CompletionChoice(index=index, text=text, finish_reason=None))
+
+    # Closing this generator (the client went away) closes `deltas`, which aborts the
+    # request in the engine and frees its blocks.
+    async with aclosing(deltas):
+        delta = first
+        while delta is not None:
+            completion_tokens += len(delta.token_ids)
+            logprobs = None
+            if request.logprobs is not None and delta.logprobs:
+                logprobs = serving.completion_logprobs(delta.logprobs, offsets[delta.index])
+            offsets[delta.index] += len(delta.text)
+            if delta.text or logprobs is not None or delta.finish_reason is not None:
+                yield chunk(
+                    p.CompletionChoice(
+                        index=delta.index,
+                        text=delta.text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                    )
+                )
+            delta = await anext(deltas, None)
+    if request.stream_options and request.stream_options.include_usage:
+        usage = p.Usage(
+            prompt_tokens=len(prompt),
+            completion_tokens=completion_tokens,
+            total_tokens=len(prompt) + completion_tokens,
+        )
+        response = p.CompletionResponse(
+            id=request_id, created=created, model=serving.model_name, choices=[], usage=usage
+        )
+        yield sse(response)
+    yield SSE_DONE

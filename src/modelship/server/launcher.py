@@ -1,0 +1,69 @@
+"""Run the server under uvicorn with a graceful drain on SIGTERM/SIGINT.
+
+Drain: the first signal marks the server not ready (/ready answers 503) and makes new API
+requests fail fast with 503, while in-flight requests (streams included) run to the end;
+when none is left, or the grace period is over, uvicorn is told to exit, and the process
+exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from modelship.engine import AsyncLLMEngine, EngineConfig
+from modelship.server.app import ServerState, create_app
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_period_s: float):
+        super().__init__(config)
+        self.state = state
+        self.grace_period_s = grace_period_s
+
+    def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
+        if self.state.draining:
+            return super().handle_exit(sig, frame)  # second signal: stop now
+        self.state.draining = True
+        logger.info("draining: %d requests in flight", self.state.num_inflight)
+        threading.Thread(target=self._wait_then_exit, daemon=True).start()
+
+    def _wait_then_exit(self) -> None:
+        deadline = time.monotonic() + self.grace_period_s
+        while self.state.num_inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.state.num_inflight:
+            logger.warning("grace period over with %d requests in flight", self.state.num_inflight)
+        self.should_exit = True
+
+
+def serve(
+    model_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    variant: str = "base",
+    grace_period_s: float = 30.0,
+    engine_config: EngineConfig | None = None,
+) -> None:
+    """Load the model, warm it up, serve until drained."""
+    engine = AsyncLLMEngine.from_model(model_dir, engine_config)
+    name = served_model_name or model_dir.resolve().name
+    app = create_app(engine, name, variant=variant, api_key=api_key)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    DrainingServer(config, app.state.server, grace_period_s).run()

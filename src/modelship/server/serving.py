@@ -1,0 +1,234 @@
+"""Translation between the OpenAI API and the engine, for whole responses and SSE streams."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelship.engine import (
+    AsyncLLMEngine,
+    EngineOverloadedError,
+    InvalidParamsError,
+    RequestTooLongError,
+    SamplingParams,
+    SequenceDelta,
+)
+from modelship.engine.outputs import TokenLogprob
+from modelship.server import protocol as p
+from modelship.server.errors import BadRequestError, ModelNotFoundError, OverloadedError
+from modelship.server.metrics import ServerMetrics
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class OpenAIServing:
+    """Serves chat and text completions for one model on one `AsyncLLMEngine`."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        max_model_len: int,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+            )
+
+    # Requests -> engine ----------------------------------------------------------------------
+    def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+        if not request.messages:
+            raise BadRequestError("messages must contain at least one message", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequestError("this model has no chat template; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise BadRequestError("prompt must not be empty", "prompt")
+        encoded = []
+        vocab_size = len(self.tokenizer)
+        for item in prompts:
+            if isinstance(item, str):
+                ids = list(self.tokenizer(item).input_ids)
+            else:
+                ids = list(item)
+                if any(not 0 <= t < vocab_size for t in ids):
+                    raise BadRequestError(f"token ids must be in [0, {vocab_size})", "prompt")
+            if not ids:
+                raise BadRequestError("prompt must not be empty", "prompt")
+            encoded.append(ids)
+        return encoded
+
+    def sampling_params(
+        self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt_len: int
+    ) -> SamplingParams:
+        max_tokens = request.max_tokens
+        if isinstance(request, p.ChatCompletionRequest) and request.max_completion_tokens:
+            max_tokens = request.max_completion_tokens
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequestError("max_tokens must be at least 1", "max_tokens")
+        if room < 1 or max_tokens > room:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        if isinstance(request, p.ChatCompletionRequest):
+            logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        else:
+            logprobs = request.logprobs
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        try:
+            return SamplingParams(
+                n=request.n,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                seed=request.seed,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=request.repetition_penalty or 1.0,
+                stop=stop,
+                stop_token_ids=list(request.stop_token_ids or []),
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+            )
+        except InvalidParamsError as exc:
+            raise BadRequestError(str(exc), exc.param) from exc
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+    ) -> AsyncIterator[SequenceDelta]:
+        """Admit into the engine (mapping its errors) and record metrics while streaming."""
+        arrival = time.perf_counter()
+        try:
+            stream = await self.engine.add_request(request_id, prompt, params, priority)
+        except EngineOverloadedError as exc:
+            retry_after = str(max(1, round(getattr(exc, "retry_after_s", 1) or 1)))
+            raise OverloadedError(str(exc), headers={"Retry-After": retry_after}) from exc
+        except RequestTooLongError as exc:
+            raise BadRequestError(str(exc), "max_tokens") from exc
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        self.metrics.prompt_tokens.inc(len(prompt))
+        last: dict[int, float] = {}
+        # aclosing: a client that goes away closes this generator, which closes the engine
+        # stream, which aborts the request and frees its KV blocks at once.
+        async with aclosing(stream):
+            async for delta in stream:
+                yield self._observe(delta, arrival, last)
+
+    def _observe(
+        self, delta: SequenceDelta, arrival: float, last: dict[int, float]
+    ) -> SequenceDelta:
+        """Record TTFT, ITL, tokens and finish metrics for one delta; return it unchanged."""
+        now = time.perf_counter()
+        if delta.token_ids:
+            if delta.index in last:
+                self.metrics.itl.observe(now - last[delta.index])
+            elif delta.index == 0:
+                self.metrics.ttft.observe(now - arrival)
+            last[delta.index] = now
+            self.metrics.generation_tokens.inc(len(delta.token_ids))
+        if delta.finish_reason is not None:
+            self.metrics.request_finished(delta.finish_reason)
+            if delta.index == 0:
+                self.metrics.e2e.observe(now - arrival)
+                if delta.queue_time_s is not None:
+                    self.metrics.queue_time.observe(delta.queue_time_s)
+        return delta
+
+    # Whole responses -------------------------------------------------------------------------
+    async def collect(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+    ) -> list[_Choice]:
+        choices = [_Choice() for _ in range(params.n)]
+        async for delta in self.generate(request_id, prompt, params, priority):
+            choice = choices[delta.index]
+            choice.text += delta.text
+            choice.token_ids += delta.token_ids
+            choice.logprobs += delta.logprobs or []
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+        return choices
+
+    def chat_logprobs(self, entries: list[TokenLogprob], num_top: int) -> p.ChatLogprobs:
+        content = []
+        for entry in entries:
+            token = self._token_text(entry.token_id)
+            top = [
+                p.TopLogprob(token=self._token_text(t), logprob=lp, bytes=list(token.encode()))
+                for t, lp in list(entry.top.items())[:num_top]
+            ]
+            content.append(
+                p.ChatTokenLogprob(
+                    token=token,
+                    logprob=entry.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return p.ChatLogprobs(content=content)
+
+    def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> p.CompletionLogprobs:
+        result = p.CompletionLogprobs()
+        for entry in entries:
+            token = self._token_text(entry.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append({self._token_text(t): lp for t, lp in entry.top.items()})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def sse(payload: p.BaseModel | dict) -> str:
+    data = (
+        payload.model_dump_json(exclude_none=False)
+        if isinstance(payload, p.BaseModel)
+        else (json.dumps(payload))
+    )
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -108,7 +108,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--one-by-one", type=int, default=8, help="requests for HF one by one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/engine_throughput.json")
+    )
     args = parser.parse_args()
 
     base = acquire("demo", Storage(args.storage)).path
@@ -134,7 +136,9 @@ def main() -> None:
     results["transformers one-by-one"] = bench_transformers(base, subset, 1, torch.float32)
     results["transformers one-by-one"]["requests"] = len(subset)
 
-    print(f"\n{'system':<28}{'output tok/s':>14}{'seconds':>10}{'batch-1 tok/s':>15}{'prefix TTFT x':>15}")
+    print(
+        f"\n{'system':<28}{'output tok/s':>14}{'seconds':>10}{'batch-1 tok/s':>15}{'prefix TTFT x':>15}"
+    )
     for name, row in results.items():
         if not isinstance(row, dict):
             continue

@@ -12,6 +12,7 @@ Prints a table and writes JSON (default benchmarks/results/engine_throughput.jso
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
@@ -54,7 +55,7 @@ def bench_decode(llm: LLM, prompt: list[int], num_tokens: int = 128) -> dict:
     while engine.has_unfinished():
         engine.step()
         times.append(time.perf_counter())
-    steps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the prefill
+    steps = [b - a for a, b in itertools.pairwise(times[1:])]  # after the prefill step
     step_s = sorted(steps)[len(steps) // 2]
     return {"median_step_ms": step_s * 1e3, "decode_tok_s": 1 / step_s}
 
@@ -137,7 +138,8 @@ def main() -> None:
     results["transformers one-by-one"]["requests"] = len(subset)
 
     print(
-        f"\n{'system':<28}{'output tok/s':>14}{'seconds':>10}{'batch-1 tok/s':>15}{'prefix TTFT x':>15}"
+        f"\n{'system':<28}{'output tok/s':>14}{'seconds':>10}"
+        f"{'batch-1 tok/s':>15}{'prefix TTFT x':>15}"
     )
     for name, row in results.items():
         if not isinstance(row, dict):

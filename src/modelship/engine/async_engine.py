@@ -20,9 +20,8 @@ from pathlib import Path
 
 from modelship.engine.config import EngineConfig
 from modelship.engine.llm_engine import LLMEngine
-from modelship.engine.outputs import SequenceDelta
+from modelship.engine.outputs import EngineStats, SequenceDelta
 from modelship.engine.sampling_params import SamplingParams
-from modelship.engine.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 

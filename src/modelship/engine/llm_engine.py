@@ -63,7 +63,9 @@ class LLMEngine:
             self.config.kv_cache_memory_bytes
             // kv_cache_bytes_per_block(model_config, block_size, cache_dtype),
         )
-        self.kv_caches = allocate_kv_cache(model_config, num_blocks, block_size, cache_dtype, device)
+        self.kv_caches = allocate_kv_cache(
+            model_config, num_blocks, block_size, cache_dtype, device
+        )
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.config,
@@ -162,7 +164,9 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         if output.sampler_output is not None:
             token_ids = output.sampler_output.token_ids.tolist()
-            sampled = {seq.request_id: tok for seq, tok in zip(output.sampled_seqs, token_ids)}
+            sampled = {
+                seq.request_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
+            }
         self.scheduler.update_from_output(plan, sampled)
         deltas = []
         for row, seq in enumerate(output.sampled_seqs):
@@ -178,7 +182,7 @@ class LLMEngine:
         if detokenized.stop_reason is not None and not seq.is_finished:
             self.scheduler.finish(seq.request_id, "stop")
             stop_reason = detokenized.stop_reason
-        elif seq.is_finished and seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
+        elif seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
             stop_reason = token_id
         logprobs = None
         if seq.params.logprobs is not None:

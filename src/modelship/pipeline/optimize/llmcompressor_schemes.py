@@ -1,0 +1,138 @@
+"""`gptq` and `awq` variants: W4A16 with llm-compressor, saved as compressed-tensors.
+
+Both calibrate on the local corpus (`pipeline.calibration`), keep `lm_head` unquantized,
+and write `pack-quantized` checkpoints (int4 values packed eight to an int32, a scale per
+group of `group_size` input columns, and for AWQ a zero point) that our engine,
+transformers and vLLM load. The group size must divide every layer's input width.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from modelship.pipeline.calibration import calibration_texts
+from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.optimize.schemes import Recipe, Scheme, register_scheme
+from modelship.pipeline.optimize.weights import cast_floating_in_place, copy_tokenizer_files
+
+
+def _weights_scheme(recipe: Recipe) -> dict[str, Any]:
+    return {
+        "num_bits": recipe.bits,
+        "type": "int",
+        "symmetric": recipe.symmetric,
+        "strategy": "group",
+        "group_size": recipe.group_size,
+    }
+
+
+def _check_group_size(model, group_size: int) -> None:
+    import torch
+
+    for name, module in model.named_modules():
+        is_target = isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+        if is_target and module.in_features % group_size:
+            raise PipelineError(
+                f"group size {group_size} does not divide {name}'s input width "
+                f"{module.in_features}; choose a divisor (e.g. 64 or 32)"
+            )
+
+
+@contextmanager
+def _cpu_safe_pinning():
+    """Make llm-compressor's AWQ run on a machine without an accelerator.
+
+    llm-compressor 0.14's AWQ pins its cached activations before the grid search
+    (`IntermediatesCache.pin_memory`) to speed up host-to-device copies; pinning needs an
+    accelerator and fails on CPU with "Cannot access accelerator device". On CPU there is
+    no copy to speed up, so pinning is skipped there and nothing else changes.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    with mock.patch.object(IntermediatesCache, "pin_memory", lambda self, *a, **k: None):
+        yield
+
+
+def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    _check_group_size(model, recipe.group_size)
+    texts = calibration_texts(recipe.num_calibration_samples)
+    encoded = tokenizer(texts, truncation=True, max_length=recipe.max_seq_length)
+    dataset = Dataset.from_dict(
+        {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+    )
+    groups = {"group_0": {"targets": ["Linear"], "weights": _weights_scheme(recipe)}}
+    if recipe.scheme == "gptq":
+        modifiers = [GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=groups)]
+        pinning = nullcontext()
+    else:
+        modifiers = [
+            AWQModifier(n_grid=recipe.options.get("n_grid", 20)),
+            QuantizationModifier(targets="Linear", ignore=["lm_head"], config_groups=groups),
+        ]
+        pinning = _cpu_safe_pinning()
+    with pinning:
+        oneshot(
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            recipe=modifiers,
+            max_seq_length=recipe.max_seq_length,
+            num_calibration_samples=recipe.num_calibration_samples,
+            batch_size=recipe.options.get("batch_size", 8),
+        )
+    model.save_pretrained(out_dir, save_compressed=True)
+    tokenizer.save_pretrained(out_dir)
+    copy_tokenizer_files(base_dir, out_dir)
+    (out_dir / "recipe.yaml").unlink(missing_ok=True)  # ours is in the manifest
+    cast_floating_in_place(out_dir, recipe.dtype)
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+
+
+register_scheme(
+    Scheme(
+        name="gptq",
+        description="GPTQ W4A16, symmetric, group-wise scales",
+        default_recipe=Recipe(
+            scheme="gptq",
+            bits=4,
+            group_size=64,
+            symmetric=True,
+            num_calibration_samples=64,
+            max_seq_length=512,
+            options={"batch_size": 8},
+        ),
+        run=_run,
+    )
+)
+register_scheme(
+    Scheme(
+        name="awq",
+        description="AWQ W4A16, asymmetric (zero points), group-wise scales",
+        default_recipe=Recipe(
+            scheme="awq",
+            bits=4,
+            group_size=64,
+            symmetric=False,
+            num_calibration_samples=32,
+            max_seq_length=512,
+            options={"batch_size": 8, "n_grid": 10},
+        ),
+        run=_run,
+    )
+)

@@ -1,0 +1,138 @@
+"""Stage 2, optimize: make each variant in its own process, in parallel, memoized.
+
+Each job publishes `models/<slug>/optimized/<variant>/` through the storage contract
+(lock, staging folder, manifest, rename), so a job killed halfway leaves nothing and the
+next run redoes only the variants whose folder is missing or whose inputs changed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from modelship.pipeline.calibration import corpus_hash
+from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.optimize.schemes import Recipe, create_scheme
+from modelship.storage import ArtifactNotFoundError, Storage, hash_inputs, read_manifest
+from modelship.storage.manifest import tool_versions, verify_artifact
+
+# Bumped when a scheme's output changes for the same recipe, so memoized variants rebuild.
+OPTIMIZE_CODE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    variant: str
+    path: Path
+    memoized: bool
+    seconds: float
+
+
+def recipe_for(variant: str, overrides: dict[str, Any] | None = None) -> Recipe:
+    scheme = create_scheme(variant)
+    return replace(scheme.default_recipe, **(overrides or {}))
+
+
+def variant_inputs(storage: Storage, slug: str, recipe: Recipe) -> dict[str, Any]:
+    base = verify_artifact(storage.base_dir(slug))
+    inputs: dict[str, Any] = {
+        "stage": "optimize",
+        "code": OPTIMIZE_CODE_VERSION,
+        "base": base.inputs_hash,
+        "recipe": recipe.to_dict(),
+        "tools": tool_versions("llmcompressor", "compressed-tensors", "transformers"),
+    }
+    if recipe.num_calibration_samples:
+        inputs["calibration"] = corpus_hash()
+    return inputs
+
+
+def is_done(storage: Storage, slug: str, variant: str, inputs_hash: str) -> bool:
+    try:
+        manifest = read_manifest(storage.variant_dir(slug, variant))
+    except ArtifactNotFoundError:
+        return False
+    return manifest.inputs_hash == inputs_hash
+
+
+def run_variant(root: str, slug: str, recipe: Recipe, num_threads: int) -> VariantResult:
+    """One job (runs in a worker process): make one variant unless it is already there."""
+    import torch
+
+    torch.set_num_threads(num_threads)
+    started = time.perf_counter()
+    storage = Storage(root)
+    target = storage.variant_dir(slug, recipe.scheme)
+    inputs = variant_inputs(storage, slug, recipe)
+    inputs_hash = hash_inputs(inputs)
+    with storage.lock(target):
+        if is_done(storage, slug, recipe.scheme, inputs_hash):
+            return VariantResult(recipe.scheme, target, True, time.perf_counter() - started)
+        base = storage.base_dir(slug)
+        scheme = create_scheme(recipe.scheme)
+        extra: dict[str, Any] = {"variant": recipe.scheme, "recipe": recipe.to_dict()}
+        with storage.publish(
+            target,
+            kind="optimized",
+            source=str(base),
+            revision=read_manifest(base).revision,
+            inputs_hash=inputs_hash,
+            tools=("torch", "transformers", "llmcompressor", "compressed-tensors"),
+            extra=extra,  # read when the manifest is written, after the body
+        ) as staging:
+            extra["facts"] = scheme.run(recipe, base, staging)
+    return VariantResult(recipe.scheme, target, False, time.perf_counter() - started)
+
+
+def optimize(
+    storage: Storage,
+    slug: str,
+    variants: list[str],
+    *,
+    max_parallel: int | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    on_done=None,
+) -> list[VariantResult]:
+    """Make `variants` of `models/<slug>/base` in parallel processes; raise if any failed."""
+    recipes = [recipe_for(v, (overrides or {}).get(v)) for v in variants]
+    verify_artifact(storage.base_dir(slug))  # fail fast, naming the path, before forking
+    results: list[VariantResult] = []
+    failures: list[str] = []
+    pending = []
+    for recipe in recipes:  # finished variants need no worker process at all
+        inputs_hash = hash_inputs(variant_inputs(storage, slug, recipe))
+        if is_done(storage, slug, recipe.scheme, inputs_hash):
+            results.append(
+                VariantResult(recipe.scheme, storage.variant_dir(slug, recipe.scheme), True, 0.0)
+            )
+        else:
+            pending.append(recipe)
+    if not pending:
+        return sorted(results, key=lambda r: variants.index(r.variant))
+    cores = os.cpu_count() or 1
+    workers = max(1, min(max_parallel or cores, len(pending)))
+    threads = max(1, cores // workers)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {
+            pool.submit(run_variant, str(storage.root), slug, recipe, threads): recipe.scheme
+            for recipe in pending
+        }
+        for future in as_completed(futures):
+            variant = futures[future]
+            try:
+                result = future.result()
+            except Exception as exc:
+                failures.append(f"{variant}: {type(exc).__name__}: {exc}")
+                continue
+            results.append(result)
+            if on_done is not None:
+                on_done(result)
+    if failures:
+        raise PipelineError("optimize failed for " + "; ".join(failures))
+    return sorted(results, key=lambda r: variants.index(r.variant))

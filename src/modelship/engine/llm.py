@@ -53,12 +53,12 @@ class LLM:
         order = []
         for prompt, params, prio in zip(prompts, sampling_params, priorities, strict=True):
             request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params, priority=prio)
+            prompt_token_ids = self.engine.add_request(request_id, prompt, params, priority=prio)
             order.append(request_id)
             results[request_id] = RequestOutput(
                 request_id,
                 prompt if isinstance(prompt, str) else None,
-                self.engine.tokenize(prompt),
+                prompt_token_ids,
                 [CompletionOutput(index=i) for i in range(params.n)],
             )
         while self.engine.has_unfinished():

@@ -19,12 +19,13 @@ from modelship.engine.block_manager import BlockManager
 from modelship.engine.config import EngineConfig
 from modelship.engine.detokenizer import IncrementalDetokenizer
 from modelship.engine.model_runner import ModelRunner
-from modelship.engine.outputs import SequenceDelta, TokenLogprob
+from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
 from modelship.engine.sampling_params import SamplingParams
-from modelship.engine.scheduler import Scheduler, SchedulerStats
+from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
+from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from modelship.model.loader import load_model
+from modelship.model.loader import load_model, read_generation_eos
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,16 @@ class LLMEngine:
             torch.set_num_threads(self.config.num_threads)
         device = self.config.torch_device
         self.model_path = Path(model_path)
-        self.model = load_model(self.model_path, device=device, dtype=self.config.dtype)
-        model_config = self.model.config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model_config = ModelConfig.from_dir(self.model_path)
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        self.model = load_model(
+            self.model_path,
+            device=device,
+            dtype=self.config.dtype,
+            max_positions=self.max_model_len,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)
 
         cache_dtype = self.config.cache_dtype(self.model.dtype)
         block_size = self.config.block_size
@@ -71,7 +78,7 @@ class LLMEngine:
             self.config,
             self.block_manager,
             max_model_len=self.max_model_len,
-            eos_token_ids=set(model_config.eos_token_ids),
+            eos_token_ids=eos_token_ids,
         )
         self.runner = ModelRunner(self.model, self.kv_caches, block_size, device)
         self._requests: dict[str, _Request] = {}
@@ -90,6 +97,7 @@ class LLMEngine:
 
     # Requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's special tokens); ids pass through."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         return list(prompt)
@@ -100,8 +108,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
-    ) -> None:
-        """Queue a request; raises `EngineOverloadedError` / `RequestTooLongError` at once."""
+    ) -> list[int]:
+        """Queue a request and return its prompt token ids.
+
+        Raises `EngineOverloadedError` / `RequestTooLongError` at once, leaving no trace."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = self.tokenize(prompt)
@@ -127,6 +137,7 @@ class LLMEngine:
         for index, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (request, index)
             self._generators[seq.request_id] = self._make_generator(params, index)
+        return prompt_token_ids
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now and free its blocks; returns its final (aborted) deltas."""
@@ -151,8 +162,18 @@ class LLMEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def stats(self) -> EngineStats:
+        scheduler, blocks = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=blocks.usage,
+            prefix_cache_queries=blocks.prefix_queries,
+            prefix_cache_hits=blocks.prefix_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=scheduler.num_prompt_tokens,
+            num_generation_tokens=scheduler.num_generation_tokens,
+        )
 
     # Stepping ------------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
@@ -177,20 +198,25 @@ class LLMEngine:
     def _process_sampled(self, seq: Sequence, row: int, sampler_output) -> SequenceDelta:
         request, index = self._seq_owner[seq.request_id]
         token_id = seq.token_ids[-1]
-        detokenized = request.detokenizers[index].update([token_id])
+        detokenizer = request.detokenizers[index]
+        detokenized = detokenizer.update([token_id])
+        text = detokenized.delta_text
         stop_reason: str | int | None = None
-        if detokenized.stop_reason is not None and not seq.is_finished:
-            self.scheduler.finish(seq.request_id, "stop")
+        if detokenized.stop_reason is not None:
+            if not seq.is_finished:
+                self.scheduler.finish(seq.request_id, "stop")
+            else:
+                seq.finish_reason = "stop"
             stop_reason = detokenized.stop_reason
-        elif seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
-            stop_reason = token_id
+        elif seq.is_finished:
+            text += detokenizer.flush()  # text held back for a stop string that never came
+            if seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
+                stop_reason = token_id
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = [_token_logprob(sampler_output, row, token_id, seq.params.logprobs)]
         finish_reason = seq.finish_reason if seq.is_finished else None
-        delta = self._delta(
-            request, index, [token_id], detokenized.delta_text, logprobs, finish_reason, stop_reason
-        )
+        delta = self._delta(request, index, [token_id], text, logprobs, finish_reason, stop_reason)
         if seq.is_finished:
             request.num_finished += 1
             if request.num_finished == len(request.seqs):
@@ -218,6 +244,7 @@ class LLMEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            queue_time_s=seq.queue_time_s if finish_reason is not None else None,
         )
 
     def _forget(self, request: _Request) -> None:

@@ -1,0 +1,178 @@
+"""Sampling as pure functions over logits and per-row tensors, with an explicit greedy path.
+
+Order: penalties -> logprobs (of the penalized distribution, before temperature and
+filters: the model's view, as OpenAI-style APIs report it) -> greedy rows take the argmax;
+random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row
+draws its noise from its own generator, so a seeded request samples the same tokens
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modelship.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one batch, as tensors ([batch] unless noted)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # int64, vocab_size where disabled
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    prompt_mask: torch.Tensor | None  # [batch, vocab] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None  # [batch, vocab] float: occurrences in the output
+    generators: list[torch.Generator | None]
+    greedy: list[bool]
+    all_greedy: bool
+    needs_penalties: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    max_num_logprobs: int  # -1: no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        def column(values, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        needs_penalties = any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params
+        )
+        prompt_mask = output_counts = None
+        if needs_penalties:
+            prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
+            output_counts = _token_counts(output_token_ids, vocab_size, device)
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperature=column([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            top_k=column(top_k, torch.long),
+            top_p=column([p.top_p for p in params]),
+            min_p=column([p.min_p for p in params]),
+            repetition_penalty=column([p.repetition_penalty for p in params]),
+            frequency_penalty=column([p.frequency_penalty for p in params]),
+            presence_penalty=column([p.presence_penalty for p in params]),
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            generators=generators,
+            greedy=greedy,
+            all_greedy=all(greedy),
+            needs_penalties=needs_penalties,
+            needs_top_k=any(k < vocab_size for k in top_k),
+            needs_top_p=any(p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0 for p in params),
+            max_num_logprobs=max(
+                (p.logprobs for p in params if p.logprobs is not None), default=-1
+            ),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [batch] int64
+    logprobs: torch.Tensor | None  # [batch] logprob of the sampled token
+    top_logprob_ids: torch.Tensor | None  # [batch, k]
+    top_logprobs: torch.Tensor | None  # [batch, k], sorted descending
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
+    if width:
+        # pad with an extra "vocab_size" column that is dropped afterwards
+        padded = torch.full((len(token_ids), width), vocab_size, dtype=torch.long, device=device)
+        for row, ids in enumerate(token_ids):
+            if ids:
+                padded[row, : len(ids)] = torch.tensor(ids, device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output, HF semantics), frequency and presence (output, OpenAI)."""
+    assert m.prompt_mask is not None and m.output_counts is not None
+    seen = m.prompt_mask | (m.output_counts > 0)
+    rep = m.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - m.frequency_penalty.unsqueeze(1) * m.output_counts
+    return logits - m.presence_penalty.unsqueeze(1) * (m.output_counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `top_k` largest logits (ties at the threshold are kept)."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of top tokens whose probability mass reaches `top_p`."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below `min_p` times the top token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p; rows use their own
+    generator, so a row's draw does not depend on the other rows."""
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of `logits` ([batch, vocab], float32)."""
+    if m.needs_penalties:
+        logits = apply_penalties(logits, m)
+    logprobs = top_ids = top_values = None
+    if m.max_num_logprobs >= 0:
+        all_logprobs = logits.log_softmax(dim=-1)
+    greedy_tokens = logits.argmax(dim=-1)
+    if m.all_greedy:
+        token_ids = greedy_tokens
+    else:
+        scaled = logits / m.temperature.unsqueeze(1)
+        if m.needs_top_k:
+            scaled = apply_top_k(scaled, m.top_k)
+        if m.needs_top_p:
+            scaled = apply_top_p(scaled, m.top_p)
+        if m.needs_min_p:
+            scaled = apply_min_p(scaled, m.min_p)
+        random_rows = [i for i, g in enumerate(m.greedy) if not g]
+        rows = torch.tensor(random_rows, device=logits.device)
+        drawn = random_sample(scaled[rows].softmax(dim=-1), [m.generators[i] for i in random_rows])
+        token_ids = greedy_tokens.clone()
+        token_ids[rows] = drawn
+    if m.max_num_logprobs >= 0:
+        logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if m.max_num_logprobs > 0:
+            top_values, top_ids = all_logprobs.topk(m.max_num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_values)

@@ -1,0 +1,215 @@
+"""Continuous batching: each step, a plan of how many tokens every sequence runs.
+
+One accounting rule covers prefill, chunked prefill, decode and prefix hits: a scheduled
+sequence runs `min(num_tokens - num_computed_tokens, remaining budget)` tokens, and its
+computed tokens catch up with its tokens. Running sequences are served first (higher
+priority, then earlier arrival); when one cannot get a block, the lowest-priority, newest
+running sequence is preempted (blocks freed, recomputed later). Waiting sequences are
+admitted only in steps without preemption, so admission never evicts running work.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from modelship.engine.block_manager import NO_HIT, BlockManager
+from modelship.engine.config import EngineConfig
+from modelship.engine.errors import EngineOverloadedError, RequestTooLongError
+from modelship.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step, in batch order; `update_from_output` closes the loop."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    return (-seq.priority, seq.arrival_seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []  # sorted by _order
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._waiting_tokens = 0
+
+    # Admission -------------------------------------------------------------------------------
+    def add_request(self, seq: Sequence, admitted: bool = False) -> None:
+        """Queue `seq`. Raises `RequestTooLongError` if it can never run, and (unless it
+        belongs to an already admitted request) `EngineOverloadedError` if the queue is full."""
+        max_tokens = seq.params.max_tokens or 0
+        if seq.num_prompt_tokens + max(max_tokens, 1) > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        total = seq.num_prompt_tokens + (max_tokens or self.max_model_len - seq.num_prompt_tokens)
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise RequestTooLongError(
+                f"request needs {total} tokens of KV cache; the whole cache holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
+            )
+        if not admitted:
+            if len(self.waiting) >= self.config.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{len(self.waiting)} requests waiting (limit "
+                    f"{self.config.max_waiting_requests})"
+                )
+            if self._waiting_tokens + seq.num_tokens > self.config.max_waiting_tokens:
+                raise EngineOverloadedError(
+                    f"{self._waiting_tokens} prompt tokens waiting (limit "
+                    f"{self.config.max_waiting_tokens})"
+                )
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+        self._waiting_tokens += seq.num_tokens
+
+    def _dequeue(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._waiting_tokens -= seq.num_tokens
+
+    # Planning --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        manager = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not manager.can_allocate(seq, num_new):
+                victim = self.running[-1]  # lowest priority, newest arrival
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                manager.allocate(seq, num_new)
+                plan.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `seq` itself was preempted: everything after it was too
+        if plan.preempted:
+            return plan
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed = manager.get_computed_blocks(seq) if not seq.block_table else NO_HIT
+            num_computed = computed.num_tokens or seq.num_computed_tokens
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not manager.can_allocate(seq, num_new, computed):
+                break
+            self._dequeue(seq)
+            manager.allocate(seq, num_new, computed)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            bisect.insort(self.running, seq, key=_order)
+            plan.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks, forget computed tokens, wait again."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    # Closing the loop -----------------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance computed tokens, append sampled tokens, finish and free; returns finished."""
+        finished = []
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            if seq.is_finished:  # aborted while its step ran
+                continue
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            token_id = sampled.get(seq.request_id)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            self.num_generation_tokens += 1
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq.request_id, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                return "stop"
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, request_id: str, reason: str) -> Sequence | None:
+        """End a sequence now (stop string, abort) and free its blocks at once."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    if queue is self.waiting:
+                        self._dequeue(seq)
+                    else:
+                        queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.finish(reason)
+                    return seq
+        return None
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.finish(request_id, "abort")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)

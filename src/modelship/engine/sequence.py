@@ -1,0 +1,85 @@
+"""A sequence: the engine's state for one completion. It owns its tokens and block table."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+
+from modelship.engine.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt then output), how many are computed, and where they live.
+
+    The block manager changes `block_table` and `num_cached_tokens` (allocate/free); the
+    scheduler changes `num_computed_tokens` and `status`; the runner only reads.
+    Invariant: `num_computed_tokens <= num_tokens`, and the block table covers at least
+    `num_computed_tokens` slots while running.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_seq = next(_arrivals)  # FCFS order, also across preemptions
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

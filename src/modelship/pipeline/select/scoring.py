@@ -1,0 +1,128 @@
+"""Scoring variants: hard gates first, then metrics normalized to 0..1 and weighted.
+
+Pure functions over measured numbers, so the choice can be tested and explained exactly.
+Normalization is min-max across the variants that passed the gates; for metrics where
+lower is better (latency, memory) the scale is flipped. With a single survivor, or when
+all survivors measure the same, every survivor scores 1 on that metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# metric -> (group, higher_is_better)
+METRICS: dict[str, tuple[str, bool]] = {
+    "quality": ("quality", True),  # composite share of the base model's quality, 0..1
+    "ttft_s": ("latency", False),
+    "tpot_s": ("latency", False),
+    "throughput_tok_s": ("throughput", True),
+    "weight_bytes": ("memory", False),
+    "peak_rss_bytes": ("memory", False),
+}
+PRESETS: dict[str, dict[str, float]] = {
+    "default": {"quality": 0.5, "latency": 0.2, "throughput": 0.2, "memory": 0.1},
+    "chat": {"quality": 0.4, "latency": 0.4, "throughput": 0.1, "memory": 0.1},
+    "batch": {"quality": 0.35, "latency": 0.05, "throughput": 0.45, "memory": 0.15},
+    "quality-critical": {"quality": 0.8, "latency": 0.1, "throughput": 0.05, "memory": 0.05},
+}
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Disqualify a variant before scoring."""
+
+    min_quality_share: float = 0.9  # quality relative to the base model
+    max_repetition: float = 0.5  # share of repeated 4-grams in golden-prompt outputs
+    min_printable: float = 0.95  # share of printable characters in golden-prompt outputs
+
+
+@dataclass
+class VariantMeasurement:
+    """What `select` measured for one variant (None: could not be measured)."""
+
+    variant: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    load_error: str | None = None
+    repetition: float = 0.0
+    printable: float = 1.0
+
+
+@dataclass
+class VariantScore:
+    variant: str
+    passed: bool
+    reasons: list[str]  # why it was gated out (empty if it passed)
+    normalized: dict[str, float]  # metric -> 0..1
+    group_scores: dict[str, float]  # group -> 0..1
+    score: float
+
+
+def weights_for(preset: str | None, overrides: dict[str, float] | None = None) -> dict[str, float]:
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    weights = dict(PRESETS[preset or "default"])
+    weights.update(overrides or {})
+    unknown = set(weights) - {group for group, _ in METRICS.values()}
+    if unknown:
+        raise ValueError(f"unknown weight groups: {', '.join(sorted(unknown))}")
+    if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError("weights must be non-negative and not all zero")
+    total = sum(weights.values())
+    return {group: w / total for group, w in weights.items()}
+
+
+def gate(measurement: VariantMeasurement, gates: Gates) -> list[str]:
+    """The reasons a variant is disqualified (empty list: it passes)."""
+    if measurement.load_error is not None:
+        return [f"failed to load: {measurement.load_error}"]
+    reasons = []
+    quality = measurement.metrics.get("quality")
+    if quality is None or quality < gates.min_quality_share:
+        shown = "unmeasured" if quality is None else f"{quality:.1%}"
+        reasons.append(f"quality {shown} of the base, below the {gates.min_quality_share:.0%} gate")
+    if measurement.repetition > gates.max_repetition:
+        reasons.append(
+            f"degenerate output on golden prompts: {measurement.repetition:.0%} repeated "
+            f"4-grams (gate {gates.max_repetition:.0%})"
+        )
+    if measurement.printable < gates.min_printable:
+        reasons.append(
+            f"non-text output on golden prompts: {measurement.printable:.0%} printable "
+            f"characters (gate {gates.min_printable:.0%})"
+        )
+    return reasons
+
+
+def normalize(values: dict[str, float], higher_is_better: bool) -> dict[str, float]:
+    lo, hi = min(values.values()), max(values.values())
+    if hi == lo:
+        return dict.fromkeys(values, 1.0)
+    scaled = {name: (value - lo) / (hi - lo) for name, value in values.items()}
+    return scaled if higher_is_better else {name: 1.0 - s for name, s in scaled.items()}
+
+
+def score_variants(
+    measurements: list[VariantMeasurement], weights: dict[str, float], gates: Gates
+) -> list[VariantScore]:
+    """Gate, normalize and weight; returns scores sorted best first (failed ones last)."""
+    reasons = {m.variant: gate(m, gates) for m in measurements}
+    survivors = [m for m in measurements if not reasons[m.variant]]
+    normalized: dict[str, dict[str, float]] = {m.variant: {} for m in measurements}
+    for metric, (_, higher_is_better) in METRICS.items():
+        values = {m.variant: m.metrics[metric] for m in survivors if metric in m.metrics}
+        if values:
+            for variant, value in normalize(values, higher_is_better).items():
+                normalized[variant][metric] = value
+    scores = []
+    for m in measurements:
+        groups: dict[str, list[float]] = {}
+        for metric, value in normalized[m.variant].items():
+            groups.setdefault(METRICS[metric][0], []).append(value)
+        group_scores = {group: sum(v) / len(v) for group, v in groups.items()}
+        passed = not reasons[m.variant]
+        total = sum(weights.get(g, 0.0) * s for g, s in group_scores.items()) if passed else 0.0
+        scores.append(
+            VariantScore(m.variant, passed, reasons[m.variant], normalized[m.variant],
+                         group_scores, total)
+        )  # fmt: skip
+    return sorted(scores, key=lambda s: (not s.passed, -s.score, s.variant))

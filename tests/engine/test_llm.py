@@ -1,0 +1,134 @@
+"""The whole engine through `LLM.generate`, against transformers' greedy decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelship import LLM, SamplingParams
+from modelship.engine import EngineOverloadedError
+
+PROMPTS = ["The quick brown fox", "Paged attention reads", "Héllo wörld 東京", "Models are"]
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=128)
+
+
+def test_greedy_equals_transformers(llm: LLM, tiny_llama_dir: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    for output in outputs:
+        expected = hf_greedy(tiny_llama_dir, output.prompt_token_ids, 12)
+        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_batched_equals_one_at_a_time(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
+    assert together == alone
+
+
+def test_prefix_cache_hit_is_identical_and_computes_less(llm: LLM) -> None:
+    llm.engine.block_manager.reset_prefix_cache()
+    prompt = "Continuous batching schedules requests at iteration granularity. " * 3
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    computed_before = llm.engine.scheduler.num_prompt_tokens
+    second = llm.generate(prompt, params)[0]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= len(second.prompt_token_ids) - 4
+    recomputed = llm.engine.scheduler.num_prompt_tokens - computed_before
+    assert recomputed < len(second.prompt_token_ids) // 4
+
+
+def test_n_completions_share_the_prompt_blocks(llm: LLM) -> None:
+    llm.engine.block_manager.reset_prefix_cache()
+    prompt = "The quick brown fox jumps over the lazy dog, " * 2
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    output = llm.generate(prompt, params)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in output.outputs)
+    full_prompt_blocks = (len(output.prompt_token_ids) - 1) // 4 * 4
+    assert output.num_cached_tokens == full_prompt_blocks  # siblings hit the first's blocks
+    again = llm.generate(prompt, params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
+
+
+def test_stop_strings_logprobs_and_abort(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text = llm.generate(PROMPTS[0], greedy)[0].outputs[0].text
+    stop = text[3:6]
+    stopped = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True)
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == text[: text.index(stop)]
+
+    with_logprobs = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    )[0].outputs[0]
+    assert len(with_logprobs.logprobs) == 4
+    for token_id, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs, strict=True):
+        assert entry.token_id == token_id and len(entry.top) == 2
+        assert max(entry.top.values()) == pytest.approx(entry.logprob, abs=1e-5)
+
+    engine = llm.engine
+    engine.add_request("to-abort", "abort me please", SamplingParams(max_tokens=50))
+    engine.step()
+    deltas = engine.abort("to-abort")
+    assert [d.finish_reason for d in deltas] == ["abort"]
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_overload_and_preemption(tiny_llama_dir: Path) -> None:
+    small = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=24,
+        max_waiting_requests=3,
+        max_num_batched_tokens=64,
+    )
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        small.engine.add_request(f"r{i}", PROMPTS[i], params)
+    with pytest.raises(EngineOverloadedError):
+        small.engine.add_request("r3", PROMPTS[3], params)
+    finished = {}
+    while small.engine.has_unfinished():
+        for delta in small.engine.step():
+            if delta.finished:
+                finished[delta.request_id] = delta.num_output_tokens
+    assert finished == {"r0": 30, "r1": 30, "r2": 30}
+    assert small.engine.scheduler.num_preemptions > 0  # 3 x ~36 tokens > 24 blocks x 4
+    alone = small.generate(PROMPTS[2], params)[0].outputs[0].token_ids
+    assert len(alone) == 30
+
+
+@pytest.mark.slow
+def test_demo_model_greedy_equals_transformers(demo_model_dir: Path) -> None:
+    llm = LLM(demo_model_dir, dtype="float32", max_model_len=512)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for output in outputs:
+        expected = hf_greedy(demo_model_dir, output.prompt_token_ids, 8)
+        assert output.outputs[0].token_ids == expected

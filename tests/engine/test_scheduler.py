@@ -1,0 +1,168 @@
+"""Scheduler: chunked prefill, budget, priorities, admission, preemption, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from modelship.engine.block_manager import BlockManager
+from modelship.engine.config import EngineConfig
+from modelship.engine.errors import EngineOverloadedError, RequestTooLongError
+from modelship.engine.sampling_params import SamplingParams
+from modelship.engine.scheduler import Scheduler
+from modelship.engine.sequence import Sequence
+
+EOS = 0
+
+
+def make(num_blocks=64, block_size=4, max_model_len=256, **config) -> Scheduler:
+    settings = {"max_num_batched_tokens": 16, "max_num_seqs": 8, **config}
+    return Scheduler(
+        EngineConfig(block_size=block_size, **settings),
+        BlockManager(num_blocks, block_size),
+        max_model_len=max_model_len,
+        eos_token_ids={EOS},
+    )
+
+
+def request(name: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base=1):
+    tokens = [base + i for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
+    return Sequence(name, tokens, params, priority=priority)
+
+
+def step(scheduler: Scheduler, token: int = 7):
+    """One fake model step: every sequence that completed its tokens samples `token`."""
+    plan = scheduler.schedule()
+    sampled = {
+        s.seq.request_id: token
+        for s in plan.scheduled
+        if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
+    }
+    finished = scheduler.update_from_output(plan, sampled)
+    scheduler.block_manager.check_integrity()
+    scheduler.block_manager.check_tables(scheduler.running)
+    return plan, finished
+
+
+def test_chunked_prefill_within_budget() -> None:
+    scheduler = make(max_num_batched_tokens=16)
+    scheduler.add_request(request("long", 40))
+    plan, _ = step(scheduler)
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("long", 16)]
+    plan, _ = step(scheduler)
+    assert plan.scheduled[0].num_new_tokens == 16
+    seq = plan.scheduled[0].seq
+    assert seq.num_output_tokens == 0  # partial prefill samples nothing
+    plan, _ = step(scheduler)
+    assert plan.scheduled[0].num_new_tokens == 8
+    assert seq.num_output_tokens == 1
+    plan, _ = step(scheduler)
+    assert plan.scheduled[0].num_new_tokens == 1  # decode: one token, same accounting rule
+
+
+def test_budget_and_max_num_seqs_every_step() -> None:
+    scheduler = make(max_num_batched_tokens=12, max_num_seqs=3)
+    for i in range(6):
+        scheduler.add_request(request(f"r{i}", 5 + i, max_tokens=3, base=100 * i))
+    for _ in range(40):
+        if not scheduler.has_unfinished():
+            break
+        plan, _ = step(scheduler)
+        assert plan.num_batched_tokens <= 12
+        assert scheduler.num_running <= 3
+    assert not scheduler.has_unfinished()
+
+
+def test_priorities_then_fcfs() -> None:
+    scheduler = make(max_num_batched_tokens=8, max_num_seqs=1)
+    scheduler.add_request(request("low-1", 4, priority=0, base=10))
+    scheduler.add_request(request("high", 4, priority=5, base=20))
+    scheduler.add_request(request("low-2", 4, priority=0, base=30))
+    order = []
+    for _ in range(30):
+        _plan, finished = step(scheduler)
+        order += [s.request_id for s in finished]
+    assert order == ["high", "low-1", "low-2"]
+
+
+def test_admission_overload_is_typed() -> None:
+    scheduler = make(max_waiting_requests=2)
+    scheduler.add_request(request("a", 4))
+    scheduler.add_request(request("b", 4))
+    with pytest.raises(EngineOverloadedError) as info:
+        scheduler.add_request(request("c", 4))
+    assert "2 requests waiting" in info.value.reason
+    by_tokens = make(max_waiting_tokens=10)
+    by_tokens.add_request(request("a", 8))
+    with pytest.raises(EngineOverloadedError):
+        by_tokens.add_request(request("b", 8))
+
+
+def test_requests_that_can_never_fit_are_rejected() -> None:
+    scheduler = make(max_model_len=32, num_blocks=4, block_size=4)
+    with pytest.raises(RequestTooLongError, match="maximum context length of 32"):
+        scheduler.add_request(request("a", 30, max_tokens=8))
+    with pytest.raises(RequestTooLongError, match="whole cache holds 16"):
+        scheduler.add_request(request("b", 10, max_tokens=10))
+
+
+def test_preemption_under_a_tiny_pool_finishes_everyone() -> None:
+    # 6 blocks of 2 tokens; three requests of 3 prompt + 6 output tokens cannot all fit.
+    scheduler = make(num_blocks=6, block_size=2, max_num_batched_tokens=16)
+    scheduler.add_request(request("old", 3, max_tokens=6, priority=1, base=10))
+    scheduler.add_request(request("mid", 3, max_tokens=6, priority=1, base=20))
+    scheduler.add_request(request("new", 3, max_tokens=6, priority=0, base=30))
+    preempted, finished = [], []
+    for _ in range(100):
+        if not scheduler.has_unfinished():
+            break
+        plan, done = step(scheduler)
+        preempted += plan.preempted
+        finished += [s.request_id for s in done]
+    assert sorted(finished) == ["mid", "new", "old"]
+    assert preempted and preempted[0] == "new"  # lowest priority goes first
+    assert scheduler.num_preemptions == len(preempted)
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    scheduler = make()
+    scheduler.add_request(request("a", 10, max_tokens=50))
+    scheduler.add_request(request("w", 10, max_tokens=50, base=100))
+    step(scheduler)
+    used = scheduler.block_manager.num_blocks - scheduler.block_manager.num_free_blocks
+    assert used > 0
+    aborted = scheduler.abort("a")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert aborted.block_table == []
+    assert scheduler.abort("missing") is None
+    scheduler.abort("w")
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert not scheduler.has_unfinished()
+
+
+def test_prefix_hit_skips_computed_tokens() -> None:
+    scheduler = make(max_num_batched_tokens=64)
+    scheduler.add_request(request("first", 13, max_tokens=1))
+    while scheduler.has_unfinished():
+        step(scheduler)
+    scheduler.add_request(request("second", 13, max_tokens=1))
+    plan, _ = step(scheduler)
+    assert plan.scheduled[0].num_new_tokens == 1  # 12 tokens (3 blocks) came from the cache
+    assert plan.scheduled[0].seq.num_cached_tokens == 12
+
+
+def test_eos_and_stop_token_ids_finish_with_stop() -> None:
+    scheduler = make()
+    scheduler.add_request(request("eos", 4, max_tokens=10))
+    _, finished = step(scheduler, token=EOS)
+    assert [s.finish_reason for s in finished] == ["stop"]
+    seq = Sequence("stop-id", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[9]))
+    scheduler.add_request(seq)
+    _, finished = step(scheduler, token=9)
+    assert finished == [seq] and seq.finish_reason == "stop"
+    ignore = Sequence("ignore", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add_request(ignore)
+    step(scheduler, token=EOS)
+    _, finished = step(scheduler, token=EOS)
+    assert finished == [ignore] and ignore.finish_reason == "length"

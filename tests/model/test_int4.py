@@ -1,4 +1,4 @@
-"""int4 (compressed-tensors W4A16) checkpoints written by llm-compressor, run on our kernel path."""
+"""int4 (compressed-tensors W4A16) checkpoints written by llm-compressor, on our load paths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from modelship.model import AttentionMetadata, allocate_kv_cache, load_model
-from modelship.model.quant.compressed_tensors import Int4Linear, unpack_int4
+from modelship.model.quant import UnsupportedQuantizationError, create_quantization
+from modelship.model.quant.base import DenseLinear
+from modelship.model.quant.compressed_tensors import _unpack_zero_point
+from modelship.model.quant.int4 import Int4Linear, dequantize, unpack_int4
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
 
@@ -17,37 +20,88 @@ SMALL = {"num_calibration_samples": 8, "max_seq_length": 64, "group_size": 32}
 
 @pytest.fixture(scope="module", params=["gptq", "awq"])
 def quantized(request, tiny_llama_dir: Path, tmp_path_factory) -> tuple[str, Path]:
+    """The project's own optimize schemes (llm-compressor GPTQ / AWQ, fp16 scales)."""
     variant = request.param
     out = tmp_path_factory.mktemp(variant)
-    recipe = recipe_for(variant, SMALL)
-    create_scheme(variant).run(recipe, tiny_llama_dir, out)
+    create_scheme(variant).run(recipe_for(variant, SMALL), tiny_llama_dir, out)
     return variant, out
+
+
+@pytest.fixture(scope="module", params=["rtn-group16", "gptq-actorder"])
+def quantized_direct(request, tiny_llama_dir: Path, tmp_path_factory) -> tuple[str, Path]:
+    """llm-compressor called directly: asymmetric round-to-nearest with group size 16 (the
+    kernel takes 32 and up), and GPTQ with `actorder: weight` (columns reordered while
+    quantizing, stored in the original order)."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    weights = {"num_bits": 4, "type": "int", "strategy": "group"}
+    if request.param == "rtn-group16":
+        weights |= {"symmetric": False, "group_size": 16}
+        modifier = QuantizationModifier(
+            targets="Linear",
+            ignore=["lm_head"],
+            config_groups={"g": {"targets": ["Linear"], "weights": weights}},
+        )
+        oneshot(model=model, recipe=[modifier])
+    else:
+        weights |= {"symmetric": True, "group_size": 32, "actorder": "weight"}
+        modifier = GPTQModifier(
+            targets="Linear",
+            ignore=["lm_head"],
+            config_groups={"g": {"targets": ["Linear"], "weights": weights}},
+        )
+        gen = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, 300, (32,), generator=gen).tolist() for _ in range(4)]
+        dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 32] * 4})
+        oneshot(model=model, dataset=dataset, recipe=[modifier], num_calibration_samples=4)
+    out = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(out, save_compressed=True)
+    return request.param, out
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     caches = allocate_kv_cache(model.config, 8, 16, torch.float32, "cpu")
-    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0, 1, 2, 3]], 16, "cpu")
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[5, 1, 2, 3]], 16, "cpu")
     with torch.no_grad():
         return model.compute_logits(model(ids, torch.arange(len(ids)), caches, meta))
 
 
-def test_int4_kernel_matches_dequantized_reference(quantized) -> None:
+def reference_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers + compressed-tensors decompress the checkpoint to dense fp32 weights."""
     from transformers import AutoModelForCausalLM
 
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return reference(ids.unsqueeze(0)).logits[0]
+
+
+def test_int4_kernel_matches_dequantized_reference(quantized) -> None:
     _variant, folder = quantized
     model = load_model(folder)  # CPU: bf16 activations on the int4 kernel
     layer = model.layers[0]
-    assert isinstance(layer.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
-
-    # transformers decompresses the same checkpoint to dense weights: the reference.
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for linear in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, Int4Linear)
+    assert isinstance(model.lm_head, DenseLinear)  # `ignore: [lm_head]`
     ids = torch.arange(3, 40)
-    with torch.no_grad():
-        expected = reference(ids.unsqueeze(0)).logits[0]
+    expected = reference_logits(folder, ids)
     actual = logits_of(model, ids)
     # bf16 activations vs fp32 dense: close, and the same argmax nearly everywhere
-    assert (actual - expected).abs().max() < 0.1 * expected.abs().max()
+    assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fp32_compute_dequantizes_exactly(quantized) -> None:
+    _variant, folder = quantized
+    model = load_model(folder, dtype=torch.float32)  # the kernel is bf16-only: dense fp32
+    assert isinstance(model.layers[0].qkv_proj, DenseLinear)
+    ids = torch.arange(3, 40)
+    torch.testing.assert_close(
+        logits_of(model, ids), reference_logits(folder, ids), atol=2e-4, rtol=1e-3
+    )
 
 
 def test_asymmetric_zero_points_are_used(quantized) -> None:
@@ -56,13 +110,91 @@ def test_asymmetric_zero_points_are_used(quantized) -> None:
     variant, folder = quantized
     with safe_open(folder / "model.safetensors", "pt") as f:
         names = list(f.keys())
-    has_zero_points = any(n.endswith("weight_zero_point") for n in names)
-    assert has_zero_points == (variant == "awq")
+    assert any(n.endswith("weight_zero_point") for n in names) == (variant == "awq")
+
+
+def test_direct_llmcompressor_layouts(quantized_direct: tuple[str, Path]) -> None:
+    variant, folder = quantized_direct
+    model = load_model(folder)
+    # group size 16 is not a kernel group size: dequantized once at load time
+    expected_type = DenseLinear if variant == "rtn-group16" else Int4Linear
+    assert isinstance(model.layers[0].qkv_proj, expected_type)
+    ids = torch.arange(3, 40)
+    expected = reference_logits(folder, ids)
+    actual = logits_of(model, ids)
+    assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
+    fp32 = logits_of(load_model(folder, dtype=torch.float32), ids)
+    torch.testing.assert_close(fp32, expected, atol=2e-4, rtol=1e-3)
+
+
+def test_unpacking_matches_compressed_tensors() -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(-8, 8, (24, 72), generator=gen, dtype=torch.int8)  # q in [-8, 7]
+    packed = pack_to_int32(values, 4)  # along the input dim, as weights are stored
+    assert torch.equal(unpack_int4(packed, 72) - 8, values.int())
+    zero_points = torch.randint(-8, 8, (20, 3), generator=gen, dtype=torch.int8)
+    packed_zp = pack_to_int32(zero_points, 4, packed_dim=0)  # along the output dim
+    assert packed_zp.shape == (3, 3)
+    assert torch.equal(_unpack_zero_point(packed_zp, 20), zero_points.int())
 
 
 def test_unpack_int4_bit_order() -> None:
-    values = torch.arange(16, dtype=torch.int32).repeat(2)[:10].unsqueeze(0)  # 0..9
+    values = list(range(10))
     packed = torch.zeros(1, 2, dtype=torch.int32)
-    for i, v in enumerate(values[0].tolist()):
+    for i, v in enumerate(values):
         packed[0, i // 8] |= v << (4 * (i % 8))
-    assert torch.equal(unpack_int4(packed, 10), values)
+    assert unpack_int4(packed, 10).tolist() == [values]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_linear_matches_dequantized_matmul(with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features, group_size = 48, 128, 32
+    u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+    scale = torch.rand(out_features, in_features // group_size, generator=gen) * 0.1 + 0.01
+    zero_point = torch.randint(-8, 8, scale.shape, generator=gen, dtype=torch.int32)
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    linear = Int4Linear.from_unpacked(u, scale, zero_point, group_size, bias)
+    x = torch.randn(5, in_features, generator=gen).bfloat16()
+    weight = dequantize(u, scale, zero_point, group_size)  # [out, in] fp32
+    expected = x.float() @ weight.t() + (bias.float() if bias is not None else 0)
+    actual = linear(x)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (5, out_features)
+    torch.testing.assert_close(actual.float(), expected, atol=0.05, rtol=0.02)
+
+
+def _config(**weights) -> dict:
+    args = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32} | weights
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args}},
+        "ignore": ["lm_head", "re:.*mlp\\.down_proj$"],
+    }
+
+
+def test_targets_and_ignore_patterns() -> None:
+    method = create_quantization(_config())
+    assert method.scheme_for("model.layers.3.self_attn.q_proj") is not None
+    assert method.scheme_for("model.layers.3.mlp.down_proj") is None
+    assert method.scheme_for("lm_head") is None
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"quant_method": "bitsandbytes"},
+            r"'bitsandbytes' is not supported; supported: compressed",
+        ),
+        (_config(num_bits=8), r"only 4-bit int group-wise"),
+        (_config(strategy="channel"), r"only 4-bit int group-wise"),
+        (_config(actorder="group"), r"actorder 'group'"),
+        ({**_config(), "format": "float-quantized"}, r"need pack-quantized"),
+    ],
+)
+def test_unsupported_quantization_is_refused(config: dict, message: str) -> None:
+    with pytest.raises(UnsupportedQuantizationError, match=message):
+        create_quantization(config)

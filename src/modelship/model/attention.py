@@ -2,14 +2,16 @@
 
 Measured on a 2-core CPU: fp32 `scaled_dot_product_attention(..., enable_gqa=True)` is fast
 and exact for decode, bf16 SDPA is several times slower, and repeating KV heads costs more
-than it saves. So attention runs in the KV cache's dtype (fp32 on CPU by default), all
-decode sequences (one query token) in one batched SDPA call over their gathered, padded
+than it saves. So attention runs in the KV cache's dtype (fp32 on CPU by default): all
+decode requests (one query token) in one batched SDPA call over their gathered, padded
 contexts, and each prefill chunk in its own call with a causal mask offset by the tokens
-already computed. Everything index-like is built once per step in `AttentionMetadata.build`.
+already computed. Everything index-like is built once per step in `AttentionMetadata.build`
+and shared by all layers.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -20,22 +22,29 @@ from modelship.model.kv_cache import KVCache
 
 @dataclass
 class PrefillChunk:
+    """One request running more than one query token this step."""
+
     start: int  # first row of this chunk in the flattened batch
     num_tokens: int
     context_slots: torch.Tensor | None  # [seq_len] slots of the whole context; None: no prefix
-    mask: torch.Tensor | None  # [num_tokens, seq_len] bool; None: plain causal
+    mask: torch.Tensor | None  # [num_tokens, seq_len] bool, True = attend; None: plain causal
 
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens write K/V and which slots each query reads."""
+    """Where this step's tokens write K/V and which slots each query reads.
+
+    Built once per step; read-only for the layers. `decode_rows` is None when every token
+    of the batch is a decode token (then the decode batch is the whole batch, in order).
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    decode_rows: torch.Tensor | None  # [num_decode] rows of single-token sequences
-    decode_slots: torch.Tensor | None  # [num_decode, max_len] context slots, padded
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len] True = attend
-    prefills: list[PrefillChunk]
     num_tokens: int
+    num_decode: int
+    decode_rows: torch.Tensor | None  # [num_decode] rows of single-token requests
+    decode_slots: torch.Tensor | None  # [num_decode, max_len] context slots, padded with 0
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len]; None: no padding
+    prefills: list[PrefillChunk]
 
     @classmethod
     def build(
@@ -46,84 +55,99 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Request i runs `query_lens[i]` new tokens, the last ones of its `seq_lens[i]`."""
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_contexts: list[list[int]] = []
-        prefills: list[PrefillChunk] = []
-        row = 0
-        for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            context = _slots(table, seq_len, block_size)
-            slots.extend(context[seq_len - query_len :])
-            if query_len == 1:
-                decode_rows.append(row)
-                decode_contexts.append(context)
-            elif query_len == seq_len:
-                prefills.append(PrefillChunk(row, query_len, None, None))
-            else:
-                offset = seq_len - query_len
-                positions = torch.arange(query_len, device=device).unsqueeze(1) + offset
-                mask = torch.arange(seq_len, device=device).unsqueeze(0) <= positions
-                prefills.append(
-                    PrefillChunk(row, query_len, torch.tensor(context, device=device), mask)
+        """Request i runs `query_lens[i]` new tokens, the last ones of its `seq_lens[i]`.
+
+        `block_tables[i]` must cover `seq_lens[i]` tokens. Python work is per request and
+        per block, never per token; index tensors are built on the CPU and moved once.
+        """
+        num_requests = len(query_lens)
+        if not num_requests or not len(seq_lens) == len(block_tables) == num_requests:
+            raise ValueError("query_lens, seq_lens and block_tables must be equally long, > 0")
+        num_blocks = [-(-s // block_size) for s in seq_lens]
+        for i, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+            if not 0 < q <= s or len(table) < num_blocks[i]:
+                raise ValueError(
+                    f"request {i}: need 0 < query_len ({q}) <= seq_len ({s}) and a block "
+                    f"table of at least {num_blocks[i]} blocks (has {len(table)})"
                 )
-            row += query_len
-        decode_slots = decode_mask = rows = None
-        if decode_rows:
-            width = max(len(c) for c in decode_contexts)
-            padded = [c + [0] * (width - len(c)) for c in decode_contexts]
-            decode_slots = torch.tensor(padded, dtype=torch.long, device=device)
-            lengths = torch.tensor([len(c) for c in decode_contexts], device=device)
-            decode_mask = (torch.arange(width, device=device) < lengths.unsqueeze(1))[
-                :, None, None, :
-            ]
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        width = max(num_blocks)
+        table = torch.tensor(
+            [t[:n] + [0] * (width - n) for t, n in zip(block_tables, num_blocks, strict=True)]
+        )
+        # [num_requests, width * block_size]: slot of every context position of every request
+        slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)
+        q_lens = torch.tensor(query_lens)
+        s_lens = torch.tensor(seq_lens)
+        num_tokens = sum(query_lens)
+        request = torch.repeat_interleave(torch.arange(num_requests), q_lens)  # [num_tokens]
+        first_row = torch.cumsum(q_lens, 0) - q_lens
+        positions = torch.arange(num_tokens) - first_row[request] + (s_lens - q_lens)[request]
+        slot_mapping = slots[request, positions]
+
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        decode_rows = decode_slots = decode_mask = None
+        if decode:
+            lens = [seq_lens[i] for i in decode]
+            max_len = max(lens)
+            decode_slots = slots[decode, :max_len].to(device)
+            if min(lens) != max_len:
+                valid = torch.arange(max_len) < torch.tensor(lens).unsqueeze(1)
+                decode_mask = valid[:, None, None, :].to(device)
+            if len(decode) != num_requests:
+                rows = first_row[decode]
+                decode_rows = rows.to(device)
+
+        prefills = []
+        starts = itertools.accumulate(query_lens, initial=0)
+        for i, (q, s, start) in enumerate(zip(query_lens, seq_lens, starts, strict=False)):
+            if q == 1:
+                continue
+            if q == s:  # the whole context is in this step: causal over its own K/V
+                prefills.append(PrefillChunk(start, q, None, None))
+                continue
+            query_positions = torch.arange(s - q, s).unsqueeze(1)  # [q, 1]
+            mask = torch.arange(s).unsqueeze(0) <= query_positions  # [q, s]
+            prefills.append(PrefillChunk(start, q, slots[i, :s].to(device), mask.to(device)))
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_rows=rows,
+            slot_mapping=slot_mapping.to(device),
+            num_tokens=num_tokens,
+            num_decode=len(decode),
+            decode_rows=decode_rows,
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
-            num_tokens=row,
         )
-
-
-def _slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]
 
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim]: keys (rotated) and values
     cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
-    """Write this step's K/V into the cache, then attend through the block tables."""
-    out_dtype, work_dtype = q.dtype, cache.k.dtype
-    k = k.to(work_dtype)
-    v = v.to(work_dtype)
-    cache.k.index_copy_(0, meta.slot_mapping, k)
-    cache.v.index_copy_(0, meta.slot_mapping, v)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
+    """Write this step's K/V into the cache at `meta.slot_mapping`, then let every query
+    attend causally to its request's whole context, read through its block table."""
+    out_dtype, work_dtype = q.dtype, cache.kv.dtype
+    kv = kv.to(work_dtype)
+    cache.kv.index_copy_(0, meta.slot_mapping, kv)
     q = q.to(work_dtype)
-    if meta.decode_rows is not None and not meta.prefills:
+    if not meta.prefills:  # decode only: the common step, no scatter needed
         return _decode(q, cache, meta, scale).to(out_dtype)
-    out = torch.empty_like(q)
-    if meta.decode_rows is not None:
+    out = torch.empty(q.shape, dtype=work_dtype, device=q.device)
+    if meta.num_decode:
+        assert meta.decode_rows is not None
         out[meta.decode_rows] = _decode(q.index_select(0, meta.decode_rows), cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
         if chunk.context_slots is None:  # whole prompt in this chunk: its K/V are at hand
-            kc, vc = k[rows], v[rows]
+            context = kv[rows]
         else:
-            kc = cache.k.index_select(0, chunk.context_slots)
-            vc = cache.v.index_select(0, chunk.context_slots)
+            context = cache.kv.index_select(0, chunk.context_slots)  # [seq_len, 2, kv_heads, dim]
         o = F.scaled_dot_product_attention(
-            qc,
-            kc.transpose(0, 1).unsqueeze(0),
-            vc.transpose(0, 1).unsqueeze(0),
+            q[rows].transpose(0, 1).unsqueeze(0),  # [1, heads, num_tokens, head_dim]
+            context[:, 0].transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
+            context[:, 1].transpose(0, 1).unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=scale,
@@ -133,17 +157,21 @@ def paged_attention(
     return out.to(out_dtype)
 
 
-def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float):
-    """One query token per sequence: q [num_decode, heads, head_dim] -> same shape."""
+def _decode(
+    q: torch.Tensor,  # [num_decode, heads, head_dim]
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_decode, heads, head_dim]
+    """One query token per request, all requests in one SDPA call over padded contexts."""
     assert meta.decode_slots is not None
-    num_decode, width = meta.decode_slots.shape
-    flat = meta.decode_slots.reshape(-1)
-    keys = cache.k.index_select(0, flat).view(num_decode, width, *cache.k.shape[1:])
-    values = cache.v.index_select(0, flat).view(num_decode, width, *cache.v.shape[1:])
+    num_decode, max_len = meta.decode_slots.shape
+    context = cache.kv.index_select(0, meta.decode_slots.view(-1))
+    context = context.view(num_decode, max_len, *cache.kv.shape[1:])  # [b, len, 2, kv_heads, d]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [num_decode, heads, 1, head_dim]
-        keys.transpose(1, 2),  # [num_decode, kv_heads, width, head_dim]
-        values.transpose(1, 2),
+        context[:, :, 0].transpose(1, 2),  # [num_decode, kv_heads, max_len, head_dim]
+        context[:, :, 1].transpose(1, 2),
         attn_mask=meta.decode_mask,
         scale=scale,
         enable_gqa=True,

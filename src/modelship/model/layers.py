@@ -12,33 +12,49 @@ from modelship.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, statistics in fp32 (as HF computes them)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.size = size
+        self.doubled_weight: torch.Tensor | None = None  # [2 * size], set by finish_loading
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 like the reference implementations, then scale in the input dtype.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def finish_loading(self) -> None:
+        """Derive the single-row fast path's weight; the loader calls this once `weight`
+        holds the checkpoint's values."""
+        self.doubled_weight = torch.cat([self.weight, self.weight])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, ..., size]
+        if x.shape[0] == 1 and self.doubled_weight is not None:
+            # layer_norm([x, -x]) = [x, -x] / rms(x): mean 0, variance mean(x^2). One fused
+            # kernel instead of rms_norm's eight small ops (measured 10 vs 23 us for one
+            # 576-wide row, 61 norms per decode step). A single row's slice stays contiguous.
+            doubled = torch.cat([x, -x], dim=-1)
+            normed = F.layer_norm(doubled, doubled.shape[-1:], self.doubled_weight, None, self.eps)
+            return normed[..., : self.size]
+        return F.rms_norm(x, (self.size,), self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with llama3 scaling when configured."""
+    """Inverse frequencies [head_dim / 2] in fp32, with `linear` or `llama3` scaling."""
     dim = config.head_dim
-    # fp32, as transformers computes it, so positions rotate identically
+    # fp32 as transformers computes it, so positions rotate identically
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling
-    if scaling is None:
+    kind = config.rope_type
+    if scaling is None or kind == "default":
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
     if kind == "llama3":
-        factor = scaling["factor"]
-        low = scaling.get("low_freq_factor", 1.0)
-        high = scaling.get("high_freq_factor", 4.0)
-        original = scaling["original_max_position_embeddings"]
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band in
+        # between interpolated smoothly (Llama 3.1's context extension).
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = original / low, original / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -46,33 +62,38 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: llama3, linear")
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once; applied in the rotate-half layout."""
+    """cos/sin tables for every position, computed once at load time.
+
+    Tables are stored at full head width with the rotate-half sign folded into `sin`
+    ([-sin, sin]), so applying RoPE is `x * cos + roll(x, half) * sin`: three ops.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        # [num_tokens, 1, head_dim / 2]: gathered once per step, shared by all layers
+        """(cos, signed sin), each [num_tokens, 1, head_dim]: once per step, for all layers."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim] in the rotate-half layout of HF checkpoints."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] (HF's rotate-half layout) in place."""
+    half = x.shape[-1] // 2
+    # roll(x, half) = [x2, x1]; with sin = [-sin, sin]: [x1 cos - x2 sin, x2 cos + x1 sin].
+    # Both addcmul inputs are temporaries, so writing the result over x is safe.
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin, out=x)
 
 
 class GatedMLP(nn.Module):
@@ -84,6 +105,7 @@ class GatedMLP(nn.Module):
         self.down_proj = down
         self.intermediate_size = intermediate_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))

@@ -1,9 +1,12 @@
 """The Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, SmolLM,
-TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); GQA, tied embeddings.
+TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim);
+GQA, tied embeddings.
 
-Tokens of all scheduled sequences are flattened into one batch ([num_tokens, hidden]); the
-only per-sequence work is attention, which reads the paged KV cache (`attention.py`).
-q/k/v and gate/up are fused into one projection each at load time.
+Tokens of all scheduled requests are flattened into one batch ([num_tokens, hidden]); the
+only per-request work is attention, which reads the paged KV cache (`attention.py`).
+q/k/v and gate/up are fused into one projection each at load time, so a layer runs four
+matmuls. Sliding-window attention (Mistral v0.1) is not implemented: such models are
+exact only up to their window.
 """
 
 from __future__ import annotations
@@ -11,74 +14,83 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from modelship.model.attention import AttentionMetadata, paged_attention
+from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import KVCache
-from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope_
+from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
 
-# (checkpoint prefixes of projections sharing an input, has bias) -> fused linear module
+# (checkpoint prefixes of projections sharing an input, has bias) -> one module computing
+# all of them, outputs concatenated in prefix order. It holds its weights already.
 LinearFactory = Callable[[list[str], bool], nn.Module]
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention + gated MLP; the residual stream is passed along, not re-added."""
+
     def __init__(self, config: ModelConfig, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
-        attn = f"{prefix}.self_attn"
-        mlp = f"{prefix}.mlp"
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
-                               config.qkv_bias)  # fmt: skip
+        self.qk_norm = config.qk_norm
+        self.qkv_proj = linear(
+            [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], config.qkv_bias
+        )
         self.o_proj = linear([f"{attn}.o_proj"], False)
         self.mlp = GatedMLP(
             linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], False),
             linear([f"{mlp}.down_proj"], False),
             config.intermediate_size,
         )
-        with torch.device("meta"):
+        with torch.device("meta"):  # assigned from the checkpoint by the loader
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             if config.qk_norm:
                 self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
                 self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None in the first layer
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
         cache: KVCache,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden if residual is None else hidden + residual
-        x = self.input_layernorm(residual)
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        attn = paged_attention(q, k, v, cache, meta, self.scale)
-        hidden = self.o_proj(attn.reshape(num_tokens, self.q_size))
-        residual = hidden + residual
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream)
+        # `hidden` is a fresh tensor this model made, so adding in place is safe.
+        residual = hidden if residual is None else hidden.add_(residual)
+        qkv = self.qkv_proj(self.input_layernorm(residual))  # [num_tokens, q + 2 * kv], fresh
+        num_tokens = qkv.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, qk_size = self.q_size, self.q_size + self.kv_size
+        if self.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+            k = qkv[:, q_size:qk_size].view(num_tokens, kv_heads, head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        # q and k heads rotated together, in place: qkv then holds q | rotated k | v, and
+        # the k | v part is exactly one cache slot's layout per token.
+        apply_rope_(qkv[:, :qk_size].view(num_tokens, heads + kv_heads, head_dim), cos, sin)
+        q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+        kv = qkv[:, q_size:].view(num_tokens, 2, kv_heads, head_dim)
+        attn = paged_attention(q, kv, cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        residual = self.o_proj(attn.reshape(num_tokens, q_size)).add_(residual)
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """Projections come from `linear` (dense or quantized); embeddings and norms are built
-    on the meta device and assigned from the checkpoint by the loader."""
+class LlamaForCausalLM(CausalLM):
+    """Projections come from `linear` (dense or quantized, weights included); embeddings and
+    norms are built on the meta device and assigned from the checkpoint by the loader."""
 
     def __init__(
         self,
@@ -109,15 +121,19 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
+        hidden = F.embedding(input_ids, self.embed_tokens.weight)
         cos, sin = self.rotary.tables(positions, hidden.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn_metadata)
-        return self.norm(hidden + residual)
+        return self.norm(hidden.add_(residual))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        if self.lm_head is None:
-            return (hidden @ self.embed_tokens.weight.t()).float()
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        if head is None or isinstance(head, DenseLinear):
+            weight = self.embed_tokens.weight if head is None else head.weight
+            bias = None if head is None else head.bias
+            upcast = bf16_upcast_rows(weight.device, weight.dtype)
+            return dense_linear(hidden, weight, bias, upcast, out_dtype=torch.float32)
+        return head(hidden).float()

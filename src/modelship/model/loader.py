@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -12,6 +14,10 @@ from safetensors import safe_open
 from modelship.model.config import ModelConfig
 from modelship.model.quant import create_quantization
 from modelship.model.registry import CausalLM, create_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class MissingWeightError(KeyError):
@@ -22,16 +28,27 @@ class MissingWeightError(KeyError):
 
 
 class _Checkpoint:
-    """Name -> tensor over all safetensors files of a folder (sharded or not), lazily."""
+    """Name -> tensor over the safetensors files of a folder (sharded or not), lazily.
 
-    def __init__(self, model_dir: Path, stack: ExitStack, device: str) -> None:
-        files = sorted(model_dir.glob("*.safetensors"))
+    With a `model.safetensors.index.json` only the files it names are read (some repos
+    also ship a consolidated copy of the same weights under other names).
+    """
+
+    def __init__(self, model_dir: Path, stack: ExitStack) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
         self.model_dir = model_dir
-        self.location: dict[str, object] = {}
+        self.location: dict[str, Any] = {}
         for file in files:
-            handle = stack.enter_context(safe_open(file, framework="pt", device=device))
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: named in {index.name} but missing")
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self.location[name] = handle
         self.used: set[str] = set()
@@ -44,8 +61,15 @@ class _Checkpoint:
         return handle.get_tensor(name)
 
 
-def resolve_dtype(config: ModelConfig, device: torch.device, dtype: torch.dtype | None):
-    """bf16 on CPU by default (fp16 checkpoints too), the checkpoint's dtype elsewhere."""
+def resolve_dtype(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype | str | None
+) -> torch.dtype:
+    """The compute dtype: as asked, else bf16 on CPU (fp16 checkpoints too: torch's CPU
+    kernels are fast in bf16), else the checkpoint's half-precision dtype (fp16 for fp32)."""
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype.removeprefix("torch.")]
     if dtype is not None:
         return dtype
     if device.type == "cpu":
@@ -59,49 +83,69 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     max_positions: int | None = None,
 ) -> CausalLM:
-    """Build the model for `model_dir/config.json` and fill it from its safetensors."""
+    """Build the model for `model_dir/config.json` and fill it from its safetensors.
+
+    The model is built on the meta device; each projection is created with its weights
+    (fused q/k/v and gate/up; dense or quantized per `quantization_config`), then the
+    embeddings and norms are assigned. Raises `MissingWeightError` naming the first absent
+    tensor, `UnsupportedModelError` / `UnsupportedQuantizationError` for what we lack.
+    """
     model_dir = Path(model_dir)
     device = torch.device(device)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     config = ModelConfig.from_dir(model_dir)
     dtype = resolve_dtype(config, device, dtype)
+    max_positions = max_positions or config.max_position_embeddings
+    if config.sliding_window is not None and config.sliding_window < max_positions:
+        logger.warning(
+            "%s: sliding-window attention (%d tokens) is not implemented; outputs are exact "
+            "only for contexts up to the window",
+            model_dir,
+            config.sliding_window,
+        )
     quantization = create_quantization(config.quantization_config)
     with ExitStack() as stack, torch.no_grad():
-        checkpoint = _Checkpoint(model_dir, stack, "cpu")
+        checkpoint = _Checkpoint(model_dir, stack)
 
         def linear(prefixes: list[str], bias: bool) -> torch.nn.Module:
             return quantization.load_linear(checkpoint.get, prefixes, bias, dtype, device)
 
-        model = create_model(
-            config, linear, max_positions or config.max_position_embeddings, device
-        )
+        model = create_model(config, linear, max_positions, device)
         # Everything still on the meta device (embeddings, norms) is a plain tensor to assign.
-        state = {}
-        for name, param in model.named_parameters():
-            if param.is_meta:
-                state[name] = checkpoint.get(_checkpoint_name(name)).to(dtype=dtype, device=device)
+        state = {
+            name: checkpoint.get(_checkpoint_name(name)).to(dtype=dtype, device=device)
+            for name, param in model.named_parameters()
+            if param.is_meta
+        }
         model.load_state_dict(state, strict=False, assign=True)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    leftover = [name for name, param in model.named_parameters() if param.is_meta]
     if leftover:
         raise MissingWeightError(f"{model_dir}: weights not loaded: {', '.join(leftover[:5])}")
     model.requires_grad_(False)
     model.eval()
+    with torch.no_grad():
+        for module in model.modules():  # derived tensors, now that the weights are final
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
+    unused = set(checkpoint.location) - checkpoint.used
+    if unused:
+        logger.info(
+            "%s: %d checkpoint tensors unused, e.g. %s", model_dir, len(unused), min(unused)
+        )
     return model
 
 
 def _checkpoint_name(name: str) -> str:
-    # Our module tree flattens HF's `model.` level for the embeddings and final norm.
-    if name.startswith(("embed_tokens.", "norm.")):
-        return f"model.{name}"
-    if name.startswith("layers."):
+    """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels."""
+    for norm in (".q_norm.", ".k_norm."):
+        name = name.replace(norm, f".self_attn{norm}")
+    if name.startswith(("embed_tokens.", "norm.", "layers.")):
         return f"model.{name}"
     return name
 
 
-def read_generation_eos(model_dir: Path) -> set[int]:
+def read_generation_eos(model_dir: Path | str) -> set[int]:
     """EOS ids from generation_config.json (often more complete than config.json's)."""
-    path = model_dir / "generation_config.json"
+    path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return set()
     eos = json.loads(path.read_text()).get("eos_token_id")

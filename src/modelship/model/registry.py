@@ -2,41 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from modelship.model.attention import AttentionMetadata
+from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
-from modelship.model.kv_cache import KVCache
 from modelship.model.llama import LinearFactory, LlamaForCausalLM
 
-
-class CausalLM(Protocol):
-    """What the engine needs of a model (see `LlamaForCausalLM`)."""
-
-    config: ModelConfig
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+__all__ = ["CausalLM", "UnsupportedModelError", "create_model", "supported_architectures"]
 
 
 class UnsupportedModelError(ValueError):
-    pass
+    """The checkpoint's architecture has no implementation here; the message lists ours."""
 
 
-# One implementation covers the family; the differences are config flags (qkv bias, qk norm).
-_ARCHITECTURES = {
+# One implementation covers the family: the differences are config flags (q/k/v bias,
+# per-head q/k norm, explicit head_dim, rope scaling, tied embeddings).
+_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -45,12 +26,19 @@ _ARCHITECTURES = {
 
 
 def supported_architectures() -> list[str]:
+    """The `architectures[0]` values `create_model` accepts, sorted."""
     return sorted(_ARCHITECTURES)
 
 
 def create_model(
     config: ModelConfig, linear: LinearFactory, max_positions: int, device: torch.device
 ) -> CausalLM:
+    """Build the implementation of `config.architecture`.
+
+    Projections come from `linear` (dense or quantized, already holding their weights);
+    every other parameter is left on the meta device for the loader to assign. `device`
+    receives the rotary tables for `max_positions` positions.
+    """
     cls = _ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise UnsupportedModelError(

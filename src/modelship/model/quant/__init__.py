@@ -1,5 +1,15 @@
 """Load-time quantization handlers, chosen from a checkpoint's `quantization_config`."""
 
-from modelship.model.quant.base import QuantizationMethod, create_quantization
+from modelship.model.quant.base import QuantizationMethod
+from modelship.model.quant.registry import (
+    UnsupportedQuantizationError,
+    create_quantization,
+    supported_quantization_methods,
+)
 
-__all__ = ["QuantizationMethod", "create_quantization"]
+__all__ = [
+    "QuantizationMethod",
+    "UnsupportedQuantizationError",
+    "create_quantization",
+    "supported_quantization_methods",
+]

@@ -2,116 +2,190 @@
 
 Checkpoint layout per quantized linear (out features N, in features K, group size G):
 `weight_packed` int32 [N, K/8] (eight 4-bit values per int32, element i at bits 4*(i%8),
-stored as q + 8), `weight_scale` [N, K/G], `weight_shape` [2], and for asymmetric schemes
-`weight_zero_point` int32 [N/8, K/G] packed along N the same way. Dequantized:
-W = (q - zp) * scale, with q and zp in [-8, 7].
+stored as q + 8), `weight_scale` [N, K/G], `weight_shape` [2] = (N, K), and for
+asymmetric schemes `weight_zero_point` int32 [N/8, K/G] packed the same way along N.
+Dequantized: W = (q - zp) * scale, with q and zp in [-8, 7]. GPTQ's `actorder: weight`
+stores columns in their original order (nothing to undo); `actorder: group` (a
+`weight_g_idx` per column, dropped by llm-compressor) is refused.
 
-On CPU the weights run through torch's int4 kernel, which computes
-W = (u - 8) * scale + zero for u in [0, 15]; with u = q + 8 that is zero = -zp * scale.
-The kernel is fast only with bf16 activations. Elsewhere (CUDA, or shapes the kernel
-does not take) the weights are dequantized once at load time.
+Which linears are quantized, and how, comes from `config_groups` (`targets`: a class name
+such as `Linear`, `re:<regex>` or a module name) minus `ignore`. On CPU with bf16 compute
+the weights run through torch's int4 kernel (`int4.Int4Linear`); elsewhere (CUDA, fp32 or
+fp16 compute, shapes the kernel does not take) they are dequantized once at load time into
+a dense weight: always correct, not smaller in memory.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelship.model.quant.base import (
-    DenseLinear,
-    TensorSource,
-    Unquantized,
-    load_bias,
-    register_quantization,
-)
+from modelship.model.quant.base import DenseLinear, TensorSource, bf16_upcast_rows, load_bias
+from modelship.model.quant.int4 import Int4Linear, cpu_kernel_supports, dequantize, unpack_int4
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+logger = logging.getLogger(__name__)
+
+_LINEAR_CLASSES = ("Linear", "torch.nn.Linear", "nn.Linear")
 
 
-def unpack_int4(packed: torch.Tensor, num_columns: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, num_columns] int32 in [0, 15] (the stored q + 8)."""
-    nibbles = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF
-    return nibbles.reshape(packed.shape[0], -1)[:, :num_columns]
+@dataclass(frozen=True)
+class WeightScheme:
+    """One config group's weight arguments, as far as loading needs them."""
+
+    targets: tuple[str, ...]
+    group_size: int
+    symmetric: bool
 
 
-class Int4Linear(nn.Module):
-    """A W4A16 linear on torch's CPU int4 kernel (bf16 activations)."""
+@dataclass
+class _Part:
+    """One projection's weight as read from the checkpoint."""
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                 out_features: int, bias: torch.Tensor | None) -> None:  # fmt: skip
-        super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/G, N, 2] bf16
-        self.group_size = group_size
-        self.out_features = out_features
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, self.group_size, self.scales_and_zeros
-        )
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
+    dense: torch.Tensor | None = None  # [out, in], an unquantized projection
+    u: torch.Tensor | None = None  # [out, in] int32 in [0, 15]
+    scale: torch.Tensor | None = None  # [out, in / group_size]
+    zero_point: torch.Tensor | None = None  # [out, in / group_size] signed
+    scheme: WeightScheme | None = None
 
 
 class CompressedTensorsW4A16:
+    """Loads `quant_method: compressed-tensors`, `format: pack-quantized`, 4-bit group-wise."""
+
     name = "compressed-tensors"
 
     def __init__(self, config: dict[str, Any]) -> None:
-        if config.get("format") not in ("pack-quantized", None):
-            raise ValueError(f"unsupported compressed-tensors format {config.get('format')!r}")
-        groups = config.get("config_groups") or {}
-        if len(groups) != 1:
-            raise ValueError("expected exactly one compressed-tensors config group")
-        weights = next(iter(groups.values()))["weights"]
-        if weights.get("num_bits") != 4 or weights.get("strategy") != "group":
-            raise ValueError(
-                "only 4-bit group-wise weight quantization (W4A16) is supported, got "
-                f"num_bits={weights.get('num_bits')} strategy={weights.get('strategy')}"
-            )
-        self.group_size = int(weights["group_size"])
-        self.symmetric = bool(weights.get("symmetric", True))
-        self.ignore = list(config.get("ignore") or [])
-        self._dense = Unquantized()
+        default_format = config.get("format")
+        if config.get("sparsity_config") or config.get("transform_config"):
+            raise ValueError("sparsity and transform configs are not supported")
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"quantization_status {status!r}: expected 'compressed'")
+        self.schemes: list[WeightScheme] = []
+        for name, group in (config.get("config_groups") or {}).items():
+            self.schemes.append(_parse_group(name, group, default_format))
+        if not self.schemes:
+            raise ValueError("quantization_config has no config_groups")
+        self.ignore = tuple(config.get("ignore") or ())
 
-    def _is_ignored(self, prefix: str) -> bool:
-        return any(prefix == name or prefix.endswith("." + name) for name in self.ignore)
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme quantizing module `module` (HF name, e.g. `...self_attn.q_proj`)."""
+        if any(_matches(module, pattern) for pattern in self.ignore):
+            return None
+        for scheme in self.schemes:
+            if any(_matches(module, target) for target in scheme.targets):
+                return scheme
+        return None
 
-    def dequantize(self, get: TensorSource, prefix: str) -> tuple[torch.Tensor, ...]:
-        """(u [N, K] in 0..15, scale [N, K/G] fp32, zero_point [N, K/G] signed) of one layer."""
+    def load_linear(
+        self,
+        get: TensorSource,
+        prefixes: list[str],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> nn.Module:
+        parts = [self._read(get, p) for p in prefixes]
+        b = load_bias(get, prefixes, dtype, device) if bias else None
+        quantized = [p for p in parts if p.scheme is not None]
+        group_sizes = {p.scheme.group_size for p in quantized if p.scheme is not None}
+        if (
+            len(quantized) == len(parts)
+            and len(group_sizes) == 1
+            and torch.device(device).type == "cpu"
+            and dtype == torch.bfloat16
+        ):
+            group_size = group_sizes.pop()
+            u = torch.cat([p.u for p in parts])  # type: ignore[misc]
+            if cpu_kernel_supports(u.shape[0], u.shape[1], group_size):
+                return Int4Linear.from_unpacked(
+                    u,
+                    torch.cat([p.scale for p in parts]),  # type: ignore[misc]
+                    torch.cat([p.zero_point for p in parts]),  # type: ignore[misc]
+                    group_size,
+                    b,
+                ).to(device)
+            logger.info("%s: shape not taken by the int4 kernel; dequantized", prefixes[0])
+        weight = torch.cat([_dense_weight(p).to(dtype=dtype, device=device) for p in parts])
+        return DenseLinear(weight, b, bf16_upcast_rows(device, dtype))
+
+    def _read(self, get: TensorSource, prefix: str) -> _Part:
+        scheme = self.scheme_for(prefix)
+        if scheme is None:
+            dense = get(f"{prefix}.weight")
+            return _Part(dense=dense)
         out_features, in_features = (int(v) for v in get(f"{prefix}.weight_shape").tolist())
         u = unpack_int4(get(f"{prefix}.weight_packed"), in_features)
-        scale = get(f"{prefix}.weight_scale").float()
-        if self.symmetric:
-            zero_point = torch.zeros_like(scale)
-        else:
-            packed_zp = get(f"{prefix}.weight_zero_point")  # packed along N
-            zero_point = unpack_int4(packed_zp.t().contiguous(), out_features).t().float() - 8
-        return u, scale, zero_point
-
-    def load_linear(self, get, prefixes, bias, dtype, device) -> nn.Module:
-        if any(self._is_ignored(p) for p in prefixes):
-            return self._dense.load_linear(get, prefixes, bias, dtype, device)
-        parts = [self.dequantize(get, p) for p in prefixes]
-        u = torch.cat([p[0] for p in parts])
-        scale = torch.cat([p[1] for p in parts])
-        zero_point = torch.cat([p[2] for p in parts])
-        b = load_bias(get, prefixes, dtype, device) if bias else None
-        out_features, in_features = u.shape
-        use_kernel = torch.device(device).type == "cpu" and in_features % self.group_size == 0
-        if not use_kernel:  # dequantize once; the dense matmul runs on any device
-            weight = (u.float() - 8 - zero_point.repeat_interleave(self.group_size, 1)) * (
-                scale.repeat_interleave(self.group_size, 1)
+        if u.shape != (out_features, in_features):
+            raise ValueError(f"{prefix}.weight_packed does not hold a {out_features}x{in_features}")
+        num_groups = -(-in_features // scheme.group_size)
+        scale = get(f"{prefix}.weight_scale")
+        if tuple(scale.shape) != (out_features, num_groups):
+            raise ValueError(
+                f"{prefix}.weight_scale has shape {tuple(scale.shape)}, expected "
+                f"({out_features}, {num_groups}) for group_size {scheme.group_size}"
             )
-            return DenseLinear(weight.to(dtype=dtype, device=device), b)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 2)
-        zero = -zero_point * scale
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16)
-        return Int4Linear(packed, scales_and_zeros.contiguous(), self.group_size, out_features, b)
+        if scheme.symmetric:
+            zero_point = torch.zeros(out_features, num_groups, dtype=torch.int32)
+        else:
+            zero_point = _unpack_zero_point(get(f"{prefix}.weight_zero_point"), out_features)
+        return _Part(None, u, scale, zero_point, scheme)
 
 
-register_quantization("compressed-tensors", CompressedTensorsW4A16)
+def _parse_group(name: str, group: dict[str, Any], default_format: str | None) -> WeightScheme:
+    group_format = group.get("format") or default_format
+    if group_format != "pack-quantized":
+        raise ValueError(f"config group {name!r}: format {group_format!r} (need pack-quantized)")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise ValueError(f"config group {name!r}: activation quantization is not supported")
+    weights = group.get("weights") or {}
+    num_bits, strategy = weights.get("num_bits"), weights.get("strategy")
+    if num_bits != 4 or weights.get("type", "int") != "int" or strategy != "group":
+        raise ValueError(
+            f"config group {name!r}: only 4-bit int group-wise weights (W4A16) are supported, "
+            f"got num_bits={num_bits} type={weights.get('type')} strategy={strategy}"
+        )
+    group_size = weights.get("group_size")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"config group {name!r}: bad group_size {group_size!r}")
+    if weights.get("actorder") == "group":
+        raise ValueError(f"config group {name!r}: actorder 'group' (weight_g_idx) is not supported")
+    return WeightScheme(
+        targets=tuple(group.get("targets") or ()),
+        group_size=group_size,
+        symmetric=bool(weights.get("symmetric", True)),
+    )
+
+
+def _matches(module: str, pattern: str) -> bool:
+    """compressed-tensors target matching, for the linears of our models."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    if pattern in _LINEAR_CLASSES:
+        return True  # every projection we load is a Linear
+    return module == pattern or module.endswith(f".{pattern}")
+
+
+def _unpack_zero_point(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """[ceil(out/8), groups] int32 packed along the output dim -> [out, groups] signed."""
+    if packed.dtype != torch.int32:  # stored unpacked (int8), already signed
+        return packed.to(torch.int32)
+    return unpack_int4(packed.t().contiguous(), out_features).t() - 8
+
+
+def _dense_weight(part: _Part) -> torch.Tensor:  # [out, in]
+    if part.dense is not None:
+        return part.dense
+    assert part.u is not None and part.scale is not None and part.zero_point is not None
+    assert part.scheme is not None
+    group_size = part.scheme.group_size
+    if part.u.shape[1] % group_size == 0:
+        return dequantize(part.u, part.scale, part.zero_point, group_size)
+    # A ragged last group: look each column's group up explicitly.
+    groups = torch.arange(part.u.shape[1]) // group_size
+    scale = part.scale.float()[:, groups]
+    return (part.u.float() - 8 - part.zero_point.float()[:, groups]) * scale

@@ -1,0 +1,39 @@
+"""`CausalLM`: the interface every model implementation gives the engine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modelship.model.attention import AttentionMetadata
+from modelship.model.config import ModelConfig
+from modelship.model.kv_cache import KVCache
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a flattened batch and a paged KV cache.
+
+    Implementations are built on the meta device and filled by `loader.load_model`; they
+    never allocate the KV cache and never touch request state.
+    """
+
+    config: ModelConfig
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of activations (and of dense weights)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64: the step's requests, one after another
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[KVCache],  # one per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden] in the compute dtype
+        """Run the step's tokens; writes their K/V into `kv_caches` at the slot mapping."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] float32. Does not modify anything."""
+        raise NotImplementedError

@@ -1,0 +1,40 @@
+"""Quantization methods keyed on `quantization_config.quant_method`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from modelship.model.quant.base import QuantizationMethod, Unquantized
+from modelship.model.quant.compressed_tensors import CompressedTensorsW4A16
+
+
+class UnsupportedQuantizationError(ValueError):
+    """The checkpoint's quantization is not one we can load; the message lists ours."""
+
+
+_METHODS: dict[str, Callable[[dict[str, Any]], QuantizationMethod]] = {
+    "compressed-tensors": CompressedTensorsW4A16,
+}
+
+
+def supported_quantization_methods() -> list[str]:
+    """The `quant_method` values `create_quantization` accepts, sorted."""
+    return sorted(_METHODS)
+
+
+def create_quantization(quantization_config: dict[str, Any] | None) -> QuantizationMethod:
+    """The load-time handler for a checkpoint's `quantization_config` (None: dense)."""
+    if not quantization_config:
+        return Unquantized()
+    method = quantization_config.get("quant_method")
+    factory = _METHODS.get(method)  # type: ignore[arg-type]
+    if factory is None:
+        raise UnsupportedQuantizationError(
+            f"quantization method {method!r} is not supported; supported: "
+            f"{', '.join(supported_quantization_methods())} (and unquantized checkpoints)"
+        )
+    try:
+        return factory(quantization_config)
+    except ValueError as exc:
+        raise UnsupportedQuantizationError(f"{method}: {exc}") from exc

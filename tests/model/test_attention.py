@@ -1,0 +1,129 @@
+"""Paged attention and its metadata against a plain-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelship.model import AttentionMetadata, KVCache
+from modelship.model.attention import paged_attention
+
+BLOCK = 4
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
+
+
+def ref_paged_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    cache_k: torch.Tensor,  # [slots, kv_heads, head_dim], this step's K/V not yet written
+    cache_v: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim] float64
+    """Token by token, head by head, in float64: the definition, not an implementation."""
+    cache_k, cache_v = cache_k.double().clone(), cache_v.double().clone()
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq_len)]
+        for j in range(query_len):  # write this step's K/V first: a query sees its own token
+            cache_k[slots[seq_len - query_len + j]] = k[row + j].double()
+            cache_v[slots[seq_len - query_len + j]] = v[row + j].double()
+        for j in range(query_len):
+            position = seq_len - query_len + j
+            visible = slots[: position + 1]
+            for h in range(q.shape[1]):
+                keys = cache_k[visible, h // group]  # [position + 1, head_dim]
+                values = cache_v[visible, h // group]
+                weights = torch.softmax(keys @ q[row + j, h].double() * scale, dim=0)
+                out[row + j, h] = weights @ values
+        row += query_len
+    return out
+
+
+def random_step(query_lens, seq_lens, num_slots, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(query_lens)
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    # the cache already holds every request's computed prefix (and garbage elsewhere)
+    cache = KVCache(torch.randn(num_slots, 2, KV_HEADS, HEAD_DIM, generator=gen))
+    return q, k, v, cache
+
+
+# Request order mixes decodes (query_len 1) between prefills, with scattered blocks.
+MIXED = dict(
+    query_lens=[1, 5, 1, 3, 7],
+    seq_lens=[9, 5, 2, 11, 7],
+    block_tables=[[7, 2, 12], [3, 9], [15], [0, 14, 5], [11, 1]],
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        MIXED,
+        dict(query_lens=[1, 1, 1], seq_lens=[13, 4, 1], block_tables=[[8, 3, 1, 6], [2], [0]]),
+        dict(query_lens=[1, 1], seq_lens=[6, 6], block_tables=[[5, 2], [1, 4]]),  # no padding
+        dict(query_lens=[6], seq_lens=[6], block_tables=[[4, 1]]),
+        dict(query_lens=[4, 2], seq_lens=[10, 3], block_tables=[[9, 3, 6], [0]]),
+    ],
+)
+def test_matches_reference(case: dict) -> None:
+    q, k, v, cache = random_step(case["query_lens"], case["seq_lens"], num_slots=16 * BLOCK)
+    expected = ref_paged_attention(q, k, v, cache.k, cache.v, **case, scale=0.3)
+    meta = AttentionMetadata.build(**case, block_size=BLOCK, device="cpu")
+    out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the step's K/V landed in its slots
+    torch.testing.assert_close(cache.k[meta.slot_mapping], k)
+    torch.testing.assert_close(cache.v[meta.slot_mapping], v)
+
+
+def test_bf16_queries_with_fp32_cache() -> None:
+    q, k, v, cache = random_step(num_slots=16 * BLOCK, dtype=torch.bfloat16, **_lens(MIXED))
+    expected = ref_paged_attention(q, k, v, cache.k, cache.v, **MIXED, scale=0.3)
+    meta = AttentionMetadata.build(**MIXED, block_size=BLOCK, device="cpu")
+    out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3)
+    assert out.dtype == torch.bfloat16 and cache.k.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _lens(case: dict) -> dict:
+    return {"query_lens": case["query_lens"], "seq_lens": case["seq_lens"]}
+
+
+def test_metadata_slots_and_decode_batch() -> None:
+    meta = AttentionMetadata.build(
+        query_lens=[2, 1, 3],
+        seq_lens=[6, 3, 3],
+        block_tables=[[5, 2], [7], [1, 9]],
+        block_size=BLOCK,
+        device="cpu",
+    )
+    # request 0: positions 4, 5 -> block 2; request 1: position 2 -> block 7;
+    # request 2: positions 0..2 -> block 1
+    assert meta.slot_mapping.tolist() == [8, 9, 30, 4, 5, 6]
+    assert (meta.num_tokens, meta.num_decode) == (6, 1)
+    assert meta.decode_rows is not None and meta.decode_rows.tolist() == [2]
+    assert meta.decode_slots is not None and meta.decode_slots.tolist() == [[28, 29, 30]]
+    assert meta.decode_mask is None  # a single decode request needs no padding mask
+    chunked, whole = meta.prefills
+    assert (chunked.start, chunked.num_tokens) == (0, 2)
+    assert chunked.context_slots is not None
+    assert chunked.context_slots.tolist() == [20, 21, 22, 23, 8, 9]
+    assert chunked.mask is not None and chunked.mask.sum(1).tolist() == [5, 6]
+    assert (whole.start, whole.context_slots, whole.mask) == (3, None, None)
+
+
+def test_metadata_rejects_short_block_tables() -> None:
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        AttentionMetadata.build([1], [5], [[3]], BLOCK, "cpu")
+    with pytest.raises(ValueError, match="query_len"):
+        AttentionMetadata.build([4], [3], [[3]], BLOCK, "cpu")

@@ -48,6 +48,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[SequenceDelta | BaseException], None]] = {}
+        self._unfinished: dict[str, int] = {}  # request id -> sequences not finished yet
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="modelship-engine", daemon=True)
         self._stopped = threading.Event()
@@ -146,6 +147,7 @@ class AsyncLLMEngine:
             if isinstance(message, _Abort):
                 for delta in self.engine.abort(message.request_id):
                     self._dispatch(delta)
+                self._stats = self.engine.stats()
                 continue
             try:
                 self.engine.add_request(
@@ -155,6 +157,7 @@ class AsyncLLMEngine:
                 message.accepted.set_exception(exc)
                 continue
             self._sinks[message.request_id] = message.deliver
+            self._unfinished[message.request_id] = message.params.n
             message.accepted.set_result(None)
             self._stats = self.engine.stats()
 
@@ -163,11 +166,17 @@ class AsyncLLMEngine:
         if sink is None:
             return
         sink(delta)
-        if delta.finished and not self.engine.has_request(delta.request_id):
-            self._sinks.pop(delta.request_id, None)
+        if delta.finished:
+            # Deltas of one step are dispatched after the step, so the engine may already
+            # have forgotten the request; count finished sequences here instead.
+            self._unfinished[delta.request_id] -= 1
+            if self._unfinished[delta.request_id] == 0:
+                self._sinks.pop(delta.request_id, None)
+                del self._unfinished[delta.request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):
             self.engine.abort(request_id)
             sink(exc)
         self._sinks.clear()
+        self._unfinished.clear()

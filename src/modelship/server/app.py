@@ -66,32 +66,7 @@ def create_app(
     app = FastAPI(title="modelship", lifespan=lifespan)
     app.state.server = state
 
-    @app.middleware("http")
-    async def count_inflight(request: Request, call_next):
-        if not request.url.path.startswith("/v1/"):
-            return await call_next(request)
-        if state.draining:
-            return _error_response(UnavailableError("the server is draining; retry elsewhere"))
-        state.num_inflight += 1
-        try:
-            response = await call_next(request)
-        except BaseException:
-            state.num_inflight -= 1
-            raise
-        if isinstance(response, StreamingResponse):
-            body = response.body_iterator
-
-            async def counted():
-                try:
-                    async for part in body:
-                        yield part
-                finally:
-                    state.num_inflight -= 1
-
-            response.body_iterator = counted()
-        else:
-            state.num_inflight -= 1
-        return response
+    app.add_middleware(InflightMiddleware, state=state)
 
     async def authenticate(request: Request) -> None:
         if api_key is None:
@@ -141,6 +116,30 @@ def create_app(
         return await _respond(request, create_completion(serving, body))
 
     return app
+
+
+class InflightMiddleware:
+    """Counts API requests until their last byte is sent (streams included) and refuses
+    new ones while draining. Pure ASGI: Starlette's `BaseHTTPMiddleware` would hide client
+    disconnects from streaming responses, and those must abort the request."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            error = UnavailableError("the server is draining; retry on another replica")
+            await _error_response(error)(scope, receive, send)
+            return
+        self.state.num_inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_inflight -= 1
 
 
 class _BadJSON(APIError):

@@ -152,9 +152,15 @@ class OpenAIServing:
         last: dict[int, float] = {}
         # aclosing: a client that goes away closes this generator, which closes the engine
         # stream, which aborts the request and frees its KV blocks at once.
-        async with aclosing(stream):
-            async for delta in stream:
-                yield self._observe(delta, arrival, last)
+        num_unfinished = params.n
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    num_unfinished -= delta.finish_reason is not None
+                    yield self._observe(delta, arrival, last)
+        finally:
+            for _ in range(num_unfinished):  # closed early: the engine aborts these
+                self.metrics.request_finished("abort")
 
     def _observe(
         self, delta: SequenceDelta, arrival: float, last: dict[int, float]

@@ -127,11 +127,13 @@ def main() -> None:
         if workload is None:
             workload = make_workload(llm.tokenizer, args.num_requests, args.seed)
             corpus = llm.tokenizer("\n".join(held_out_texts())).input_ids
+        print(f"{name}: {args.num_requests} requests ...", flush=True)
         results[name] = bench_engine(llm, workload)
         results[name]["batch1"] = bench_decode(llm, workload[0][0])
         results[name]["prefix"] = bench_prefix(llm, corpus)
         del llm
 
+    print("transformers: static batches of 16, then one by one ...", flush=True)
     results["transformers static x16"] = bench_transformers(base, workload, 16, torch.float32)
     subset = workload[: args.one_by_one]
     results["transformers one-by-one"] = bench_transformers(base, subset, 1, torch.float32)

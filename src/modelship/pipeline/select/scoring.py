@@ -1,9 +1,12 @@
 """Scoring variants: hard gates first, then metrics normalized to 0..1 and weighted.
 
 Pure functions over measured numbers, so the choice can be tested and explained exactly.
-Normalization is min-max across the variants that passed the gates; for metrics where
-lower is better (latency, memory) the scale is flipped. With a single survivor, or when
-all survivors measure the same, every survivor scores 1 on that metric.
+Quality is a share of the base model's quality and is scored on a fixed scale anchored at
+the quality gate: the gate scores 0, the base's quality 1 (min-max would turn any
+small loss into a full point lost, however small). The other metrics are
+normalized min-max across the variants that passed the gates; for metrics where lower is
+better (latency, memory) the scale is flipped. With a single survivor, or when all
+survivors measure the same, every survivor scores 1 on that metric.
 """
 
 from __future__ import annotations
@@ -110,7 +113,12 @@ def score_variants(
     normalized: dict[str, dict[str, float]] = {m.variant: {} for m in measurements}
     for metric, (_, higher_is_better) in METRICS.items():
         values = {m.variant: m.metrics[metric] for m in survivors if metric in m.metrics}
-        if values:
+        if metric == "quality":
+            span = max(1.0 - gates.min_quality_share, 1e-9)
+            for variant, value in values.items():
+                share = (value - gates.min_quality_share) / span
+                normalized[variant][metric] = min(max(share, 0.0), 1.0)
+        elif values:
             for variant, value in normalize(values, higher_is_better).items():
                 normalized[variant][metric] = value
     scores = []

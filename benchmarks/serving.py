@@ -203,7 +203,8 @@ def main() -> None:
                     "llama-server (Q4_1)",
                     "http://127.0.0.1:8103",
                     [str(args.llama_server), "-m", str(demo_gguf_path()), "--host", "127.0.0.1",
-                     "--port", "8103", "-c", "4096", "-np", "16", "-t", "2", "--alias",
+                     "--port", "8103", "-c", "4096", "-np", "16", "-t", "2", "--threads-http",
+                     "32", "--alias",
                      args.model, "--no-webui", "--metrics", "--cache-ram", "0"],
                     args.model,
                 )

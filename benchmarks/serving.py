@@ -89,7 +89,10 @@ async def one_request(client, url, model, prompt, max_tokens) -> dict:
 async def run_level(url, model, prompts, concurrency, max_tokens) -> dict:
     queue = list(prompts)
     results = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    # A new connection per request, for every server alike: llama-server (cpp-httplib)
+    # drops a kept-alive connection after a few requests without saying so.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def worker():
             while queue:

@@ -176,7 +176,7 @@ def _materialize(
     if spec.kind is SourceKind.HUB:
         cache = storage.cache_dir("huggingface")
         snapshot = hub.download_snapshot(spec.location, inputs["revision"], cache, progress)
-        hub.link_snapshot(snapshot, staging)
+        _link_or_copy_tree(snapshot, staging)
     elif spec.kind is SourceKind.LOCAL:
         folder = Path(spec.location)
         validate_model_folder(folder)
@@ -218,6 +218,10 @@ def _fingerprint(path: Path) -> list:
 
 
 def _link_or_copy_tree(source: Path, destination: Path) -> None:
+    """Hard-link (or copy, across file systems) a model folder's files into `destination`.
+
+    Symlinks (a Hub snapshot's entries point into its blob store) are followed.
+    """
     for path in sorted(source.rglob("*")):
         if path.is_dir() or path.name == "manifest.json":
             continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 import httpx
@@ -85,21 +84,6 @@ def download_snapshot(
     except Exception as exc:
         raise _hub_error(exc, repo_id, commit) from exc
     return Path(folder)
-
-
-def link_snapshot(snapshot: Path, staging: Path) -> None:
-    """Hard-link (or copy, across file systems) a snapshot's files into `staging`."""
-    for path in sorted(snapshot.rglob("*")):
-        if path.is_dir():
-            continue
-        relative = path.relative_to(snapshot)
-        destination = staging / relative
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        real = path.resolve()  # snapshot entries are symlinks into the blob store
-        try:
-            os.link(real, destination)
-        except OSError:
-            shutil.copyfile(real, destination)
 
 
 def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> AcquireError:

@@ -60,16 +60,20 @@ def is_done(storage: Storage, slug: str, variant: str, inputs_hash: str) -> bool
     return manifest.inputs_hash == inputs_hash
 
 
-def run_variant(root: str, slug: str, recipe: Recipe, num_threads: int) -> VariantResult:
-    """One job (runs in a worker process): make one variant unless it is already there."""
+def run_variant(
+    root: str, slug: str, recipe: Recipe, inputs_hash: str, num_threads: int
+) -> VariantResult:
+    """One job (runs in a worker process): make one variant unless it is already there.
+
+    `inputs_hash` is `hash_inputs(variant_inputs(...))`, computed once by the caller; it is
+    checked again under the lock, since another run may have finished the variant since.
+    """
     import torch
 
     torch.set_num_threads(num_threads)
     started = time.perf_counter()
     storage = Storage(root)
     target = storage.variant_dir(slug, recipe.scheme)
-    inputs = variant_inputs(storage, slug, recipe)
-    inputs_hash = hash_inputs(inputs)
     with storage.lock(target):
         if is_done(storage, slug, recipe.scheme, inputs_hash):
             return VariantResult(recipe.scheme, target, True, time.perf_counter() - started)
@@ -111,7 +115,7 @@ def optimize(
                 VariantResult(recipe.scheme, storage.variant_dir(slug, recipe.scheme), True, 0.0)
             )
         else:
-            pending.append(recipe)
+            pending.append((recipe, inputs_hash))
     if not pending:
         return sorted(results, key=lambda r: variants.index(r.variant))
     cores = os.cpu_count() or 1
@@ -120,8 +124,10 @@ def optimize(
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = {
-            pool.submit(run_variant, str(storage.root), slug, recipe, threads): recipe.scheme
-            for recipe in pending
+            pool.submit(
+                run_variant, str(storage.root), slug, recipe, inputs_hash, threads
+            ): recipe.scheme
+            for recipe, inputs_hash in pending
         }
         for future in as_completed(futures):
             variant = futures[future]

@@ -132,3 +132,32 @@ def test_demo_model_greedy_equals_transformers(demo_model_dir: Path) -> None:
     for output in outputs:
         expected = hf_greedy(demo_model_dir, output.prompt_token_ids, 8)
         assert output.outputs[0].token_ids == expected
+
+
+def test_prompt_logprobs_equal_transformers_across_chunks(tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # A token budget of 8 splits the prompt into chunks; a warm prefix cache must not
+    # skip positions whose logprobs were asked for.
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=8
+    )
+    prompt = "Prompt logprobs score every token of the prompt, chunk by chunk."
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))  # fills the prefix cache
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    output = llm.generate(prompt, params)[0]
+    ids = output.prompt_token_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    assert output.prompt_logprobs is not None
+    assert len(output.prompt_logprobs) == len(ids) > 8
+    assert output.prompt_logprobs[0] is None
+    for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        assert entry.token_id == ids[position]
+        assert entry.logprob == pytest.approx(
+            expected[position - 1, ids[position]].item(), abs=1e-4
+        )
+        top_ids = expected[position - 1].topk(3).indices.tolist()
+        assert list(entry.top) == top_ids

@@ -153,6 +153,40 @@ def test_n_stop_seed_and_logprobs(client: openai.OpenAI) -> None:
     assert legacy.usage.prompt_tokens == 4
 
 
+def test_echo_logprobs_score_the_prompt_like_lm_eval(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """lm-eval's loglikelihood request: echo the prompt with logprobs, read the prompt's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = [5, 17, 99, 3, 42, 8, 77]
+    kwargs = dict(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    whole = client.completions.create(**kwargs)
+    logprobs = whole.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1  # the prompt, then one generated
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    for position in range(1, len(ids)):
+        reference = expected[position - 1, ids[position]].item()
+        # the server computes in bfloat16 on CPU
+        assert logprobs.token_logprobs[position] == pytest.approx(reference, abs=2e-2)
+        assert len(logprobs.top_logprobs[position]) == 1
+
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    streamed = [
+        value
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for value in chunk.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "fragment"),
     [

@@ -73,9 +73,11 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """The longest cached prefix of `seq`'s tokens, in full blocks. Does not modify state.
 
-        At least one token is always left to compute, so the model produces logits.
+        At least one token is always left to compute, so the model produces logits. A
+        sequence that wants prompt logprobs computes its whole prompt: they need every
+        position's hidden state.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return NO_HIT
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent: int | None = None

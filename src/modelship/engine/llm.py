@@ -66,4 +66,6 @@ class LLM:
                 output = results[delta.request_id]
                 output.outputs[delta.index].extend(delta)
                 output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+                if delta.prompt_logprobs is not None:
+                    output.prompt_logprobs = delta.prompt_logprobs
         return [results[request_id] for request_id in order]

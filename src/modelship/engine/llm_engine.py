@@ -39,6 +39,9 @@ class _Request:
     detokenizers: list[IncrementalDetokenizer]
     held_back: list[Sequence] = field(default_factory=list)  # siblings waiting for the prompt
     num_finished: int = 0
+    # Position p holds the logprob of prompt token p (None for the first, which nothing
+    # predicts); filled chunk by chunk when `params.prompt_logprobs` is set.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
 
 class LLMEngine:
@@ -189,6 +192,10 @@ class LLMEngine:
                 seq.request_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
             }
         self.scheduler.update_from_output(plan, sampled)
+        for seq_id, chunk in output.prompt_logprobs.items():
+            request, _ = self._seq_owner[seq_id]
+            known = len(request.prompt_logprobs)  # a recomputed (preempted) prompt repeats
+            request.prompt_logprobs.extend(chunk.entries[max(0, known - chunk.first) :])
         deltas = []
         for row, seq in enumerate(output.sampled_seqs):
             deltas.append(self._process_sampled(seq, row, output.sampler_output))
@@ -217,6 +224,8 @@ class LLMEngine:
             logprobs = [_token_logprob(sampler_output, row, token_id, seq.params.logprobs)]
         finish_reason = seq.finish_reason if seq.is_finished else None
         delta = self._delta(request, index, [token_id], text, logprobs, finish_reason, stop_reason)
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            delta.prompt_logprobs = list(request.prompt_logprobs)
         if seq.is_finished:
             request.num_finished += 1
             if request.num_finished == len(request.seqs):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from modelship.engine.outputs import TokenLogprob
 from modelship.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from modelship.engine.scheduler import SchedulerOutput
 from modelship.engine.sequence import Sequence
@@ -15,11 +16,21 @@ from modelship.model.registry import CausalLM
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first .. first + len(entries) - 1` (by position) of one
+    sequence, computed in one step; chunked prefill produces them a chunk at a time."""
+
+    first: int
+    entries: list[TokenLogprob]
+
+
+@dataclass
 class RunnerOutput:
     """Sampled tokens for the sequences whose computed tokens reached their tokens."""
 
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -41,6 +52,7 @@ class ModelRunner:
     def prepare_inputs(
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        """Flatten the plan's tokens into one batch; the rows to sample and their sequences."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -76,8 +88,9 @@ class ModelRunner:
             plan
         )
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        prompt_logprobs = self._prompt_logprobs(plan, hidden)
         if not sampled_seqs:
-            return RunnerOutput([], None)
+            return RunnerOutput([], None, prompt_logprobs)
         index = torch.tensor(sample_indices, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampled, vocab]
         metadata = SamplingMetadata.build(
@@ -88,4 +101,32 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=logits.device,
         )
-        return RunnerOutput(sampled_seqs, sample(logits, metadata))
+        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobs]:
+        """For sequences that asked for prompt logprobs: the logprob of each prompt token
+        this step can score (the hidden state at position p predicts the token at p + 1)."""
+        result: dict[str, PromptLogprobs] = {}
+        row = 0
+        for scheduled in plan.scheduled:
+            seq, num_new = scheduled.seq, scheduled.num_new_tokens
+            start = seq.num_computed_tokens
+            num_top = seq.params.prompt_logprobs
+            end = min(start + num_new, seq.num_prompt_tokens - 1)  # last scorable position + 1
+            if num_top is not None and end > start:
+                rows = hidden[row : row + end - start]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=rows.device)
+                chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+                entries = []
+                for i, token_id in enumerate(targets.tolist()):
+                    top = {}
+                    if top_ids is not None:
+                        top = dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True))
+                    entries.append(TokenLogprob(token_id, chosen[i], top))
+                result[seq.request_id] = PromptLogprobs(start + 1, entries)
+            row += num_new
+        return result

@@ -34,6 +34,9 @@ class SequenceDelta:
     num_output_tokens: int
     num_cached_tokens: int
     queue_time_s: float | None = None  # arrival to first scheduled step, on the last delta
+    # Per prompt position (None for the first token), on a sequence's first delta when
+    # `SamplingParams.prompt_logprobs` is set.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

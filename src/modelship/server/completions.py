@@ -17,8 +17,6 @@ async def create_completion(
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_model(request.model)
     prompts = serving.completion_prompts(request)
-    if request.echo and request.logprobs is not None:
-        raise BadRequestError("echo with logprobs (prompt logprobs) is not supported yet", "echo")
     params = [serving.sampling_params(request, len(prompt)) for prompt in prompts]
     request_id = p.random_id("cmpl")
     if request.stream:
@@ -42,7 +40,8 @@ async def create_completion(
             completion_tokens += len(choice.token_ids)
             logprobs = None
             if request.logprobs is not None:
-                logprobs = serving.completion_logprobs(choice.logprobs, len(prefix))
+                echoed = (prompt, choice.prompt_logprobs) if request.echo else None
+                logprobs = serving.completion_logprobs(choice.logprobs, 0, echoed)
             choices.append(
                 p.CompletionChoice(
                     index=prompt_index * request.n + i,
@@ -77,9 +76,14 @@ async def _stream(serving, request, request_id, prompt, first, deltas):
 
     if request.echo:
         text = serving.tokenizer.decode(prompt)
+        echoed = None
+        if request.logprobs is not None and first.prompt_logprobs is not None:
+            echoed = serving.completion_logprobs([], 0, (prompt, first.prompt_logprobs))
         for index in range(request.n):
             offsets[index] = len(text)
-            yield chunk(p.CompletionChoice(index=index, text=text, finish_reason=None))
+            yield chunk(
+                p.CompletionChoice(index=index, text=text, logprobs=echoed, finish_reason=None)
+            )
 
     # Closing this generator (the client went away) closes `deltas`, which aborts the
     # request in the engine and frees its blocks.

@@ -29,6 +29,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class OpenAIServing:
@@ -108,10 +109,13 @@ class OpenAIServing:
                 f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                 "max_tokens",
             )
+        prompt_logprobs = None
         if isinstance(request, p.ChatCompletionRequest):
             logprobs = (request.top_logprobs or 0) if request.logprobs else None
         else:
             logprobs = request.logprobs
+            if request.echo and logprobs is not None:  # lm-eval's loglikelihood requests
+                prompt_logprobs = logprobs
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         try:
             return SamplingParams(
@@ -130,6 +134,7 @@ class OpenAIServing:
                 stop_token_ids=list(request.stop_token_ids or []),
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except InvalidParamsError as exc:
             raise BadRequestError(str(exc), exc.param) from exc
@@ -193,6 +198,8 @@ class OpenAIServing:
             choice.token_ids += delta.token_ids
             choice.logprobs += delta.logprobs or []
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
         return choices
 
     def chat_logprobs(self, entries: list[TokenLogprob], num_top: int) -> p.ChatLogprobs:
@@ -213,13 +220,25 @@ class OpenAIServing:
             )
         return p.ChatLogprobs(content=content)
 
-    def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> p.CompletionLogprobs:
+    def completion_logprobs(
+        self,
+        entries: list[TokenLogprob],
+        offset: int,
+        prompt: tuple[list[int], list[TokenLogprob | None]] | None = None,
+    ) -> p.CompletionLogprobs:
+        """Legacy logprobs of generated tokens; with `prompt` (echo), the prompt's tokens
+        come first, the very first with null logprobs as nothing predicts it."""
         result = p.CompletionLogprobs()
-        for entry in entries:
-            token = self._token_text(entry.token_id)
+        rows: list[tuple[int, TokenLogprob | None]] = [(e.token_id, e) for e in entries]
+        if prompt is not None:
+            rows = list(zip(*prompt, strict=True)) + rows
+        for token_id, entry in rows:
+            token = self._token_text(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append({self._token_text(t): lp for t, lp in entry.top.items()})
+            result.token_logprobs.append(entry.logprob if entry else None)
+            result.top_logprobs.append(
+                {self._token_text(t): lp for t, lp in entry.top.items()} if entry else None
+            )
             result.text_offset.append(offset)
             offset += len(token)
         return result

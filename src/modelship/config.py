@@ -1,0 +1,167 @@
+"""`pipeline.yaml`: one config for the local run, the fleet and the Kubernetes rendering.
+
+Every section has defaults, so an empty file (or none) runs the demo model. Unknown keys
+are errors, and every error names the field it is about (`select.weights.speed: ...`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from modelship.deploy.config import DeployConfig
+
+
+class ConfigError(ValueError):
+    """The config file is missing, is not YAML, or has invalid fields (named)."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizeConfig(Section):
+    variants: list[str] = Field(default_factory=lambda: ["fp16", "awq", "gptq"], min_length=1)
+    max_parallel: int | None = Field(default=None, ge=1)  # None: one per core
+    # Per-variant overrides of the scheme's default recipe, e.g. {awq: {num_calibration_samples: 8}}
+    recipes: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("variants")
+    @classmethod
+    def _known_variants(cls, variants: list[str]) -> list[str]:
+        from modelship.pipeline.optimize.schemes import supported_schemes
+
+        supported = supported_schemes()
+        for name in variants:
+            if name not in supported:
+                raise ValueError(f"unknown variant {name!r}; supported: {', '.join(supported)}")
+        if len(set(variants)) != len(variants):
+            raise ValueError("variants must not repeat")
+        return variants
+
+
+class GatesConfig(Section):
+    min_quality_share: float = Field(default=0.9, gt=0, le=1)
+    max_repetition: float = Field(default=0.5, ge=0, le=1)
+    min_printable: float = Field(default=0.95, ge=0, le=1)
+
+
+class SelectConfig(Section):
+    preset: Literal["default", "chat", "batch", "quality-critical"] = "default"
+    weights: dict[Literal["quality", "latency", "throughput", "memory"], float] = Field(
+        default_factory=dict
+    )
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+    # Quality: held-out perplexity, agreement and KL against the base, the task set.
+    eval_chunks: int = Field(default=8, ge=1)
+    eval_chunk_tokens: int = Field(default=256, ge=16)
+    # Serving: the same streaming workload for every variant.
+    latency_requests: int = Field(default=4, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    throughput_requests: int = Field(default=16, ge=1)
+    prompt_tokens: int = Field(default=128, ge=1)
+    output_tokens: int = Field(default=64, ge=1)
+
+    @field_validator("weights")
+    @classmethod
+    def _non_negative(cls, weights: dict[str, float]) -> dict[str, float]:
+        for group, weight in weights.items():
+            if weight < 0:
+                raise ValueError(f"weight of {group} must be >= 0, got {weight}")
+        return weights
+
+
+class EngineOptions(Section):
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    max_model_len: int | None = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    kv_cache_memory_mb: int = Field(default=512, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_waiting_requests: int = Field(default=1024, ge=0)
+    prefix_caching: bool = True
+
+    def cli_args(self) -> list[str]:
+        """The same options as `modelship serve` flags."""
+        args = ["--device", self.device]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        args += [
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
+            "--block-size", str(self.block_size),
+            "--max-waiting-requests", str(self.max_waiting_requests),
+            "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
+        ]  # fmt: skip
+        return args
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    served_model_name: str | None = None  # None: the model's slug
+    api_key: str | None = None
+    grace_period_s: float = Field(default=30.0, ge=0)
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+
+
+class RetryConfig(Section):
+    """Per-step retry policy for transient errors (network, a killed worker)."""
+
+    max_attempts: int = Field(default=3, ge=1)
+    backoff_s: float = Field(default=2.0, ge=0)
+    max_backoff_s: float = Field(default=30.0, ge=0)
+
+
+class ModelshipConfig(Section):
+    source: str = "demo"  # a Hub repo id, a local folder, a .gguf file, or "demo"
+    revision: str | None = None
+    name: str | None = None  # the model's slug under models/ (default: from the source)
+    storage: Path = Path("modelship-data")
+    optimize: OptimizeConfig = Field(default_factory=OptimizeConfig)
+    select: SelectConfig = Field(default_factory=SelectConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    retries: RetryConfig = Field(default_factory=RetryConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "config") -> ModelshipConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc, origin)) from None
+
+    @classmethod
+    def load(cls, path: Path | None, **overrides: Any) -> ModelshipConfig:
+        """Read `path` (None: all defaults), then apply non-None top-level overrides."""
+        data: dict[str, Any] = {}
+        origin = "config"
+        if path is not None:
+            origin = str(path)
+            try:
+                loaded = yaml.safe_load(Path(path).read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{path}: no such config file") from None
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: the top level must be a mapping of sections")
+            data = loaded or {}
+        data.update({key: value for key, value in overrides.items() if value is not None})
+        return cls.from_dict(data, origin)
+
+
+def format_errors(exc: ValidationError, origin: str) -> str:
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{origin}: {field}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Kubernetes rendering of the pipeline (Argo Workflows) and the service."""

@@ -27,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -39,87 +36,11 @@ from pathlib import Path
 
 import httpx
 
+from modelship.loadgen import make_prompts, run_level
 from modelship.pipeline.acquire import DEMO_SLUG, acquire, demo_gguf_path
-from modelship.pipeline.calibration import held_out_texts
 from modelship.storage import Storage
 
 PEERS_DIR = Path.home() / ".cache" / "modelship-peers"
-
-
-def make_prompts(tokenizer, count: int, prompt_tokens: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    corpus = tokenizer("\n".join(held_out_texts())).input_ids
-    prompts = []
-    for _ in range(count):
-        start = rng.randrange(0, len(corpus) - prompt_tokens)
-        prompts.append(tokenizer.decode(corpus[start : start + prompt_tokens]))
-    return prompts
-
-
-async def one_request(client, url, model, prompt, max_tokens) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    arrivals, usage = [], None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-    tokens = (usage or {}).get("completion_tokens") or len(arrivals)
-    return {
-        "ttft": arrivals[0] - start if arrivals else float("nan"),
-        "itl": [b - a for a, b in itertools.pairwise(arrivals)],
-        "tokens": tokens,
-    }
-
-
-async def run_level(url, model, prompts, concurrency, max_tokens) -> dict:
-    queue = list(prompts)
-    results = []
-    # A new connection per request, for every server alike: llama-server (cpp-httplib)
-    # drops a kept-alive connection after a few requests without saying so.
-    limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-
-        async def worker():
-            while queue:
-                prompt = queue.pop()
-                results.append(await one_request(client, url, model, prompt, max_tokens))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-    ttfts = sorted(r["ttft"] for r in results)
-    itls = sorted(x for r in results for x in r["itl"])
-    return {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tok_s": sum(r["tokens"] for r in results) / seconds,
-        "ttft_p50_ms": _pct(ttfts, 50) * 1e3,
-        "ttft_p99_ms": _pct(ttfts, 99) * 1e3,
-        "itl_p50_ms": _pct(itls, 50) * 1e3,
-        "itl_p99_ms": _pct(itls, 99) * 1e3,
-        "mean_output_tokens": statistics.mean(r["tokens"] for r in results),
-    }
-
-
-def _pct(values: list[float], q: int) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def start_server(command: list[str], url: str, timeout_s: float = 300) -> subprocess.Popen:
@@ -152,8 +73,8 @@ def measure(name, url, model, prompts, levels, max_tokens) -> list[dict]:
     rows = []
     for level in levels:
         count = max(8, 2 * level)
-        row = asyncio.run(run_level(url, model, prompts[:count], level, max_tokens))
-        row["system"] = name
+        result = asyncio.run(run_level(url, model, prompts[:count], level, max_tokens))
+        row = {"system": name, **result.to_dict()}
         print(
             f"{name:<26}{level:>4}{row['output_tok_s']:>10.1f}{row['ttft_p50_ms']:>10.0f}"
             f"{row['ttft_p99_ms']:>10.0f}{row['itl_p50_ms']:>9.1f}{row['itl_p99_ms']:>9.1f}",

@@ -8,8 +8,6 @@ records the same inputs is returned as it is, and for the Hub that check needs n
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -24,6 +22,7 @@ from modelship.storage import (
     Manifest,
     Storage,
     hash_inputs,
+    link_tree,
     read_manifest,
     slugify,
     verify_artifact,
@@ -176,11 +175,11 @@ def _materialize(
     if spec.kind is SourceKind.HUB:
         cache = storage.cache_dir("huggingface")
         snapshot = hub.download_snapshot(spec.location, inputs["revision"], cache, progress)
-        _link_or_copy_tree(snapshot, staging)
+        link_tree(snapshot, staging)
     elif spec.kind is SourceKind.LOCAL:
         folder = Path(spec.location)
         validate_model_folder(folder)
-        _link_or_copy_tree(folder, staging)
+        link_tree(folder, staging)
     else:
         gguf.convert_gguf(Path(spec.location), staging, progress)
 
@@ -215,19 +214,3 @@ def _fingerprint(path: Path) -> list:
         relative = file.name if file == path else file.relative_to(path).as_posix()
         fingerprint.append([relative, stat.st_size, stat.st_mtime_ns])
     return fingerprint
-
-
-def _link_or_copy_tree(source: Path, destination: Path) -> None:
-    """Hard-link (or copy, across file systems) a model folder's files into `destination`.
-
-    Symlinks (a Hub snapshot's entries point into its blob store) are followed.
-    """
-    for path in sorted(source.rglob("*")):
-        if path.is_dir() or path.name == "manifest.json":
-            continue
-        target = destination / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path.resolve(), target)
-        except OSError:
-            shutil.copyfile(path, target)

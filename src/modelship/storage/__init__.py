@@ -12,7 +12,14 @@ from modelship.storage.manifest import (
     sha256_file,
     verify_artifact,
 )
-from modelship.storage.store import STORAGE_ENV, Storage, default_root, slugify
+from modelship.storage.store import (
+    STORAGE_ENV,
+    Storage,
+    default_root,
+    link_tree,
+    slugify,
+    write_json_atomic,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -25,8 +32,10 @@ __all__ = [
     "StorageError",
     "default_root",
     "hash_inputs",
+    "link_tree",
     "read_manifest",
     "sha256_file",
     "slugify",
     "verify_artifact",
+    "write_json_atomic",
 ]

@@ -15,6 +15,7 @@ died are removed by the next writer that holds the lock.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -194,3 +195,32 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def link_tree(source: Path, destination: Path) -> None:
+    """Hard-link (or copy, across file systems) an artifact's files into `destination`,
+    leaving out its manifest (the new artifact gets its own).
+
+    Symlinks (a Hub snapshot's entries point into its blob store) are followed.
+    """
+    for path in sorted(source.rglob("*")):
+        if path.is_dir() or path.name == MANIFEST_NAME:
+            continue
+        target = destination / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path.resolve(), target)
+        except OSError:
+            shutil.copyfile(path, target)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write `path` so that readers see the old file or the whole new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

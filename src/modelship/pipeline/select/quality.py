@@ -1,0 +1,208 @@
+"""Quality of a variant, measured with our engine's own model (the numerics it serves with).
+
+All measurements are teacher-forced: token sequences go through the model in one packed
+batch and every position's next-token distribution is read, as lm-eval's loglikelihood
+requests do. Against the base model, on held-out text never used for calibration:
+perplexity, top-1 agreement and KL(base || variant) per token. On the task set written
+in this repo (`tasks.jsonl`): multiple choice by the summed logprob of each choice, and
+exact match by whether greedy decoding reproduces the answer token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modelship.engine import EngineConfig, LLMEngine
+from modelship.model.attention import AttentionMetadata
+
+TASKS_PATH = Path(__file__).with_name("tasks.jsonl")
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    id: str
+    kind: str  # "choice" or "exact"
+    prompt: str
+    choices: tuple[str, ...] = ()
+    answer: int | str = 0
+
+
+def load_tasks(path: Path = TASKS_PATH) -> list[TaskItem]:
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        data = json.loads(line)
+        item = TaskItem(
+            id=data["id"],
+            kind=data["kind"],
+            prompt=data["prompt"],
+            choices=tuple(data.get("choices", ())),
+            answer=data["answer"],
+        )
+        if item.kind not in ("choice", "exact"):
+            raise ValueError(f"{path}:{number}: kind must be 'choice' or 'exact'")
+        items.append(item)
+    return items
+
+
+class Scorer:
+    """A variant loaded in our engine, scoring packed token sequences with no sampling."""
+
+    def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
+        self.engine = LLMEngine(
+            model_dir,
+            EngineConfig(max_model_len=max_model_len, kv_cache_memory_bytes=64 * 1024**2),
+        )
+        self.tokenizer = self.engine.tokenizer
+        self.block_size = self.engine.config.block_size
+        self.num_blocks = self.engine.block_manager.num_blocks
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers as they sit in memory (shared once)."""
+        seen: set[int] = set()
+        total = 0
+        model = self.engine.model
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+        return total
+
+    @torch.inference_mode()
+    def logprobs(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
+        """For each sequence, [len - 1, vocab] float32 log-softmax of the next token."""
+        for batch in self._batches(sequences):
+            query_lens = [len(s) for s in batch]
+            tables, next_block = [], 0
+            for length in query_lens:
+                count = -(-length // self.block_size)
+                tables.append(list(range(next_block, next_block + count)))
+                next_block += count
+            device = self.engine.config.torch_device
+            metadata = AttentionMetadata.build(
+                query_lens, query_lens, tables, self.block_size, device
+            )
+            ids = torch.tensor([t for s in batch for t in s], device=device)
+            positions = torch.tensor([p for s in batch for p in range(len(s))], device=device)
+            hidden = self.engine.model(ids, positions, self.engine.kv_caches, metadata)
+            start = 0
+            for length in query_lens:
+                rows = hidden[start : start + length - 1]
+                yield torch.log_softmax(self.engine.model.compute_logits(rows).float(), dim=-1)
+                start += length
+
+    def _batches(self, sequences: list[list[int]]) -> Iterator[list[list[int]]]:
+        batch: list[list[int]] = []
+        blocks = 0
+        for seq in sequences:
+            need = -(-len(seq) // self.block_size)
+            if need > self.num_blocks:
+                raise ValueError(f"a {len(seq)}-token sequence does not fit the scoring cache")
+            if blocks + need > self.num_blocks or sum(map(len, batch)) + len(seq) > 4096:
+                yield batch
+                batch, blocks = [], 0
+            batch.append(seq)
+            blocks += need
+        if batch:
+            yield batch
+
+
+@dataclass
+class QualityResult:
+    perplexity: float
+    top1_agreement: float  # share of positions where argmax equals the base's
+    kl_divergence: float  # mean KL(base || variant) per token, nats
+    task_accuracy: float
+    task_accuracy_by_kind: dict[str, float]
+    num_eval_tokens: int
+    num_task_items: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Reference:
+    """The base model's next-token distributions on the eval chunks, kept in bfloat16."""
+
+    def __init__(self, chunks: list[list[int]], logprobs: list[torch.Tensor]) -> None:
+        self.chunks = chunks
+        self.logprobs = [lp.to(torch.bfloat16) for lp in logprobs]
+
+
+def eval_chunks(tokenizer, texts: list[str], count: int, length: int) -> list[list[int]]:
+    """`count` chunks of `length` tokens spread evenly over the held-out text."""
+    ids = tokenizer("\n\n".join(texts)).input_ids
+    if len(ids) < count * length:
+        raise ValueError(f"held-out text has {len(ids)} tokens, {count}x{length} asked")
+    stride = (len(ids) - length) // max(count - 1, 1)
+    return [ids[i * stride : i * stride + length] for i in range(count)]
+
+
+def make_reference(scorer: Scorer, chunks: list[list[int]]) -> Reference:
+    return Reference(chunks, list(scorer.logprobs(chunks)))
+
+
+def measure_quality(scorer: Scorer, reference: Reference, tasks: list[TaskItem]) -> QualityResult:
+    nll, agree, kl, count = 0.0, 0, 0.0, 0
+    for chunk, base_lp, lp in zip(
+        reference.chunks, reference.logprobs, scorer.logprobs(reference.chunks), strict=True
+    ):
+        targets = torch.tensor(chunk[1:])
+        nll -= lp.gather(1, targets[:, None]).sum().item()
+        base = base_lp.float()
+        agree += (lp.argmax(-1) == base.argmax(-1)).sum().item()
+        kl += (base.exp() * (base - lp)).sum().item()
+        count += len(targets)
+    correct: dict[str, list[bool]] = {}
+    for item, ok in zip(tasks, score_tasks(scorer, tasks), strict=True):
+        correct.setdefault(item.kind, []).append(ok)
+    all_ok = [ok for oks in correct.values() for ok in oks]
+    return QualityResult(
+        perplexity=math.exp(nll / count),
+        top1_agreement=agree / count,
+        kl_divergence=max(kl / count, 0.0),
+        task_accuracy=sum(all_ok) / len(all_ok) if all_ok else 0.0,
+        task_accuracy_by_kind={k: sum(v) / len(v) for k, v in correct.items()},
+        num_eval_tokens=count,
+        num_task_items=len(all_ok),
+    )
+
+
+def score_tasks(scorer: Scorer, tasks: list[TaskItem]) -> list[bool]:
+    """Whether the model gets each item right (see the module docstring)."""
+    tokenizer = scorer.tokenizer
+    sequences: list[list[int]] = []
+    spans: list[tuple[int, list[int]]] = []  # (context length, continuation ids)
+    for item in tasks:
+        context = tokenizer(item.prompt).input_ids
+        continuations = item.choices if item.kind == "choice" else (str(item.answer),)
+        for text in continuations:
+            cont = tokenizer(text, add_special_tokens=False).input_ids
+            sequences.append(context + cont)
+            spans.append((len(context), cont))
+    scores: list[tuple[float, bool]] = []
+    for (context_len, cont), lp in zip(spans, scorer.logprobs(sequences), strict=True):
+        rows = lp[context_len - 1 : context_len - 1 + len(cont)]
+        targets = torch.tensor(cont)
+        logprob = rows.gather(1, targets[:, None]).sum().item()
+        greedy = bool((rows.argmax(-1) == targets).all())
+        scores.append((logprob, greedy))
+    results, i = [], 0
+    for item in tasks:
+        if item.kind == "choice":
+            options = scores[i : i + len(item.choices)]
+            best = max(range(len(options)), key=lambda k: options[k][0])
+            results.append(best == item.answer)
+            i += len(item.choices)
+        else:
+            results.append(scores[i][1])
+            i += 1
+    return results

@@ -1,0 +1,294 @@
+"""Stage 3, select: measure every variant the same way, gate, score, publish the winner.
+
+Quality is measured in this process with our engine's model (teacher-forced, against
+the base model's distributions); serving behaviour through a real replica per variant.
+Each variant's numbers go to `evaluations/<variant>.json`, memoized on the variant's
+inputs and the measurement settings, so a rerun measures nothing again. The winner is
+published as `releases/<n>/` (its files hard-linked, plus `production_metrics.json` and
+the report) and `production` is switched to it atomically; a rerun that would choose the
+same thing from the same evaluations publishes nothing.
+
+Quality share of the base (what the quality gate and score read) is the mean of two
+retentions: task-set accuracy (variant / base; 1 when the base scores 0) and held-out
+cross-entropy (base nats per token / variant nats per token). Top-1 agreement and KL
+divergence against the base are reported next to it as fidelity diagnostics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from modelship.config import ModelshipConfig
+from modelship.pipeline.calibration import corpus_hash, held_out_texts
+from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.select import quality as q
+from modelship.pipeline.select.report import write_report
+from modelship.pipeline.select.scoring import (
+    Gates,
+    VariantMeasurement,
+    VariantScore,
+    score_variants,
+    weights_for,
+)
+from modelship.pipeline.select.serving import measure_serving
+from modelship.storage import (
+    ArtifactNotFoundError,
+    Storage,
+    StorageError,
+    hash_inputs,
+    link_tree,
+    read_manifest,
+    verify_artifact,
+    write_json_atomic,
+)
+
+# Bumped when what select measures changes, so memoized evaluations are redone.
+SELECT_CODE_VERSION = 1
+BASE = "base"
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SelectionResult:
+    winner: str
+    release: int
+    new_release: bool
+    scores: list[VariantScore]
+    evaluations: dict[str, dict[str, Any]]
+    seconds: float
+
+
+def measurement_settings(config: ModelshipConfig) -> dict[str, Any]:
+    s = config.select
+    return {
+        "code": SELECT_CODE_VERSION,
+        "corpus": corpus_hash(),
+        "tasks": hash_inputs({"tasks": q.TASKS_PATH.read_text()}),
+        "eval": [s.eval_chunks, s.eval_chunk_tokens],
+        "workload": [s.latency_requests, s.concurrency, s.throughput_requests,
+                     s.prompt_tokens, s.output_tokens],
+        "engine": config.serve.engine.model_dump(),
+    }  # fmt: skip
+
+
+def evaluation_hash(storage: Storage, slug: str, variant: str, settings: dict) -> str | None:
+    """What a variant's evaluation depends on; None if the variant folder is unreadable."""
+    folder = storage.base_dir(slug) if variant == BASE else storage.variant_dir(slug, variant)
+    try:
+        manifest = read_manifest(folder)
+    except (ArtifactNotFoundError, StorageError):
+        return None
+    return hash_inputs({"variant": variant, "artifact": manifest.inputs_hash, **settings})
+
+
+def select(
+    storage: Storage,
+    slug: str,
+    config: ModelshipConfig,
+    variants: list[str] | None = None,
+    log: Log = print,
+) -> SelectionResult:
+    started = time.perf_counter()
+    variants = list(variants or config.optimize.variants)
+    settings = measurement_settings(config)
+    evaluations_dir = storage.evaluations_dir(slug)
+    evaluations: dict[str, dict[str, Any]] = {}
+    todo = []
+    for name in [BASE, *variants]:
+        path = evaluations_dir / f"{name}.json"
+        wanted = evaluation_hash(storage, slug, name, settings)
+        if wanted is not None and path.is_file():
+            existing = json.loads(path.read_text())
+            if existing.get("inputs_hash") == wanted:
+                evaluations[name] = existing
+                log(f"{name}: evaluation memoized")
+                continue
+        todo.append((name, wanted))
+    if todo:
+        _measure(storage, slug, config, todo, evaluations, log)
+
+    base_eval = evaluations[BASE]
+    if base_eval.get("load_error"):
+        raise PipelineError(f"the base model could not be measured: {base_eval['load_error']}")
+    measurements = [_measurement(evaluations[v], base_eval) for v in variants]
+    weights = weights_for(config.select.preset, dict(config.select.weights))
+    gates = Gates(**config.select.gates.model_dump())
+    scores = score_variants(measurements, weights, gates)
+    for score in scores:
+        evaluation = evaluations[score.variant]
+        evaluation["quality_share"] = next(
+            m.metrics.get("quality") for m in measurements if m.variant == score.variant
+        )
+    winner = scores[0]
+    if not winner.passed:
+        reasons = "; ".join(f"{s.variant}: {', '.join(s.reasons)}" for s in scores)
+        raise PipelineError(f"no variant passed the gates ({reasons})")
+
+    selection = {
+        "evaluations": {v: evaluations[v]["inputs_hash"] for v in [BASE, *variants]},
+        "weights": weights,
+        "gates": gates.__dict__,
+    }
+    selection_hash = hash_inputs(selection)
+    release, new = _publish_release(
+        storage, slug, winner, scores, evaluations, weights, gates, selection_hash, log
+    )
+    return SelectionResult(
+        winner.variant, release, new, scores, evaluations, time.perf_counter() - started
+    )
+
+
+def _measure(storage, slug, config, todo, evaluations, log) -> None:
+    s = config.select
+    evaluations_dir = storage.evaluations_dir(slug)
+    base_scorer = q.Scorer(storage.base_dir(slug))
+    tokenizer = base_scorer.tokenizer
+    chunks = q.eval_chunks(tokenizer, held_out_texts(), s.eval_chunks, s.eval_chunk_tokens)
+    reference = q.make_reference(base_scorer, chunks)
+    tasks = q.load_tasks()
+    serve_args = config.serve.engine.cli_args()
+    for name, inputs_hash in todo:
+        folder = storage.base_dir(slug) if name == BASE else storage.variant_dir(slug, name)
+        evaluation: dict[str, Any] = {"variant": name, "path": str(folder)}
+        started = time.perf_counter()
+        try:
+            if inputs_hash is None:
+                raise PipelineError(f"{folder} is missing or has no readable manifest")
+            verify_artifact(folder)
+            log(f"{name}: measuring quality")
+            scorer = base_scorer if name == BASE else q.Scorer(folder)
+            evaluation["quality"] = q.measure_quality(scorer, reference, tasks).to_dict()
+            evaluation["weight_bytes"] = scorer.weight_bytes()
+            if scorer is not base_scorer:
+                del scorer
+            if name != BASE:  # the base is the quality reference, not a candidate
+                log(f"{name}: measuring serving")
+                evaluation["serving"] = _serve_and_measure(
+                    folder, tokenizer, name, serve_args, evaluations_dir, s
+                )
+        except Exception as exc:  # a variant that cannot be measured is gated, not fatal
+            evaluation["load_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            log(f"{name}: {evaluation['load_error']}")
+        evaluation["inputs_hash"] = inputs_hash or "unreadable"
+        evaluation["seconds"] = round(time.perf_counter() - started, 2)
+        write_json_atomic(evaluations_dir / f"{name}.json", evaluation)
+        evaluations[name] = evaluation
+
+
+def _serve_and_measure(folder, tokenizer, name, serve_args, evaluations_dir, s) -> dict:
+    return measure_serving(
+        folder,
+        tokenizer,
+        ["--variant", name, *serve_args],
+        log_path=evaluations_dir / "logs" / f"{name}-serve.log",
+        latency_requests=s.latency_requests,
+        concurrency=s.concurrency,
+        throughput_requests=s.throughput_requests,
+        prompt_tokens=s.prompt_tokens,
+        output_tokens=s.output_tokens,
+    ).to_dict()
+
+
+def quality_share(evaluation: dict, base: dict) -> float:
+    """Mean of task-accuracy retention and cross-entropy retention against the base."""
+    mine, ref = evaluation["quality"], base["quality"]
+    tasks = 1.0 if ref["task_accuracy"] == 0 else mine["task_accuracy"] / ref["task_accuracy"]
+    entropy = math.log(ref["perplexity"]) / math.log(mine["perplexity"])
+    return (min(tasks, 1.0) + min(entropy, 1.0)) / 2
+
+
+def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
+    m = VariantMeasurement(evaluation["variant"])
+    if evaluation.get("load_error"):
+        m.load_error = evaluation["load_error"]
+        return m
+    serving = evaluation["serving"]
+    m.metrics = {
+        "quality": quality_share(evaluation, base),
+        "ttft_s": serving["ttft_s"],
+        "tpot_s": serving["tpot_s"],
+        "throughput_tok_s": serving["throughput_tok_s"],
+        "weight_bytes": float(evaluation["weight_bytes"]),
+    }
+    if serving.get("peak_rss_bytes"):
+        m.metrics["peak_rss_bytes"] = float(serving["peak_rss_bytes"])
+    m.repetition = serving["repetition"]
+    m.printable = serving["printable"]
+    return m
+
+
+def _publish_release(
+    storage, slug, winner, scores, evaluations, weights, gates, selection_hash, log
+) -> tuple[int, bool]:
+    current = storage.production_release(slug)
+    if current is not None:
+        try:
+            manifest = read_manifest(storage.release_dir(slug, current))
+        except (ArtifactNotFoundError, StorageError):
+            manifest = None
+        if manifest is not None and manifest.inputs_hash == selection_hash:
+            log(f"release {current} already holds this selection ({winner.variant})")
+            return current, False
+    releases_dir = storage.model_dir(slug) / "releases"
+    with storage.lock(releases_dir):
+        number = max(storage.releases(slug), default=0) + 1
+        target = storage.release_dir(slug, number)
+        source = storage.variant_dir(slug, winner.variant)
+        metrics = {
+            "release": number,
+            "variant": winner.variant,
+            "score": winner.score,
+            "weights": weights,
+            "gates": gates.__dict__,
+            "ranking": [_score_dict(s) for s in scores],
+            "evaluations": evaluations,
+            "previous_release": current,
+        }
+        with storage.publish(
+            target,
+            kind="release",
+            source=str(source),
+            revision=read_manifest(source).revision,
+            inputs_hash=selection_hash,
+            extra={"variant": winner.variant, "score": winner.score},
+        ) as staging:
+            link_tree(source, staging)
+            (staging / "production_metrics.json").write_text(json.dumps(metrics, indent=2))
+            write_report(staging, slug, number, scores, evaluations, weights, gates)
+    storage.set_production(slug, number)
+    log(f"release {number}: {winner.variant} (score {winner.score:.3f}); production -> {number}")
+    return number, True
+
+
+def _score_dict(score: VariantScore) -> dict[str, Any]:
+    return {
+        "variant": score.variant,
+        "passed": score.passed,
+        "reasons": score.reasons,
+        "score": score.score,
+        "group_scores": score.group_scores,
+        "normalized": score.normalized,
+    }
+
+
+def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
+    """Point production at release `to` (default: the newest one before the current)."""
+    current = storage.production_release(slug)
+    releases = storage.releases(slug)
+    if to is None:
+        older = [n for n in releases if current is None or n < current]
+        if not older:
+            raise PipelineError(
+                f"no release before {current} to roll back to (releases: {releases or 'none'})"
+            )
+        to = older[-1]
+    if to not in releases:
+        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
+    storage.set_production(slug, to)
+    return current, to

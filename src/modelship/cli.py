@@ -158,5 +158,214 @@ def serve(
     )
 
 
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="pipeline.yaml (default: built-in defaults, demo model)."),
+]
+
+
+def load_config(path: Path | None, **overrides):
+    from modelship.config import ConfigError, ModelshipConfig
+
+    try:
+        return ModelshipConfig.load(path, **overrides)
+    except ConfigError as exc:
+        fail(str(exc), code=2)
+
+
+def _slug(config, model: str | None) -> str:
+    from modelship.pipeline.run import model_slug
+
+    if model:
+        return model
+    try:
+        return model_slug(config)
+    except PipelineError as exc:
+        fail(f"{exc} (pass --model SLUG to name an acquired model)")
+
+
+@app.command()
+def optimize(
+    config_path: ConfigOption = None,
+    variant: Annotated[
+        list[str] | None, typer.Option("--variant", help="Only this variant (repeatable).")
+    ] = None,
+    max_parallel: Annotated[int | None, typer.Option(help="Variants made at once.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    storage: StorageOption = Path("./modelship-data"),
+) -> None:
+    """Make optimized variants (fp16, awq, gptq...) of an acquired model, in parallel."""
+    from modelship.pipeline.optimize import optimize as run_optimize
+
+    config = load_config(config_path)
+    slug = _slug(config, model)
+    variants = variant or config.optimize.variants
+    try:
+        results = run_optimize(
+            Storage(storage),
+            slug,
+            variants,
+            max_parallel=max_parallel or config.optimize.max_parallel,
+            overrides=config.optimize.recipes,
+        )
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc))
+        return
+    for result in results:
+        how = "memoized" if result.memoized else f"made in {result.seconds:.1f}s"
+        console.print(f"[green]{result.variant}[/] {how}: {result.path}")
+
+
+@app.command()
+def select(
+    config_path: ConfigOption = None,
+    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    storage: StorageOption = Path("./modelship-data"),
+) -> None:
+    """Measure every variant, gate, score, publish the winner as a release (production)."""
+    from modelship.pipeline.select.runner import select as run_select
+
+    config = load_config(config_path)
+    slug = _slug(config, model)
+    try:
+        result = run_select(Storage(storage), slug, config, log=err_console.print)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc))
+        return
+    _print_selection(result, Storage(storage), slug)
+
+
+def _print_selection(result, storage: Storage, slug: str) -> None:
+    from rich.table import Table
+
+    table = Table("variant", "passed", "score", "why not")
+    for score in result.scores:
+        why = "; ".join(score.reasons)
+        table.add_row(score.variant, "yes" if score.passed else "no", f"{score.score:.3f}", why)
+    console.print(table)
+    how = "new release" if result.new_release else "unchanged"
+    release_dir = storage.release_dir(slug, result.release)
+    console.print(f"[green]winner {result.winner}[/]: release {result.release} ({how})")
+    console.print(f"report: {release_dir / 'report.md'}")
+
+
+@app.command()
+def rollback(
+    to: Annotated[int | None, typer.Option(help="Release number (default: the previous).")] = None,
+    config_path: ConfigOption = None,
+    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    storage: StorageOption = Path("./modelship-data"),
+) -> None:
+    """Point production at an earlier release (atomically)."""
+    from modelship.pipeline.select.runner import rollback as run_rollback
+
+    slug = _slug(load_config(config_path), model)
+    try:
+        before, after = run_rollback(Storage(storage), slug, to)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc))
+        return
+    console.print(f"production: release {before} -> release {after}")
+
+
+@app.command()
+def status(
+    config_path: ConfigOption = None,
+    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    storage: StorageOption = Path("./modelship-data"),
+) -> None:
+    """Each pipeline step's state and timing, the releases and which one is production."""
+    from rich.table import Table
+
+    from modelship.pipeline.dag import read_status
+    from modelship.pipeline.run import run_dir
+
+    store = Storage(storage)
+    slug = _slug(load_config(config_path), model)
+    state = read_status(run_dir(store, slug))
+    if state is None:
+        console.print(f"no pipeline run recorded for {slug} under {store.root}")
+    else:
+        console.print(f"pipeline {state['state']} (started {state['started_at']})")
+        table = Table("step", "state", "attempts", "seconds", "memoized", "detail")
+        for name, step in state["steps"].items():
+            facts = step.get("facts") or {}
+            detail = step.get("error") or facts.get("winner") or ""
+            seconds = "" if step.get("seconds") is None else f"{step['seconds']:.1f}"
+            table.add_row(name, step["state"], str(step["attempts"]), seconds,
+                          str(facts.get("memoized", "")), str(detail))  # fmt: skip
+        console.print(table)
+    releases = store.releases(slug)
+    production = store.production_release(slug)
+    shown = ", ".join(f"[bold]{n}*[/]" if n == production else str(n) for n in releases)
+    console.print(f"releases: {shown or 'none'} (* = production)")
+
+
+@app.command()
+def run(
+    source: Annotated[
+        str | None, typer.Argument(help="Model source (overrides the config's `source`).")
+    ] = None,
+    config_path: ConfigOption = None,
+    serve_after: Annotated[
+        bool, typer.Option("--serve/--no-serve", help="Serve production when done.")
+    ] = True,
+    storage: Annotated[
+        Path | None,
+        typer.Option("--storage", envvar=STORAGE_ENV, help="Storage root (overrides config)."),
+    ] = None,
+) -> None:
+    """acquire -> optimize -> select -> serve, memoized and resumable."""
+    from modelship.pipeline.run import run_pipeline
+
+    config = load_config(config_path, source=source, storage=storage)
+    store = Storage(config.storage)
+    with make_progress(err_console) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_change(name: str, record) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(name, total=1)
+            detail = record.state + (f" ({record.error})" if record.error else "")
+            if record.state == "done" and record.facts.get("memoized"):
+                detail = "done (memoized)"
+            progress.update(
+                tasks[name],
+                description=f"{name}: {detail}",
+                completed=1 if record.state in ("done", "failed", "blocked") else 0,
+            )
+
+        try:
+            slug, _ = run_pipeline(config, store, on_change=on_change)
+        except (PipelineError, StorageError) as exc:
+            progress.stop()
+            fail(f"{exc}\nsee `modelship status` and the step logs")
+            return
+    production = store.production_link(slug)
+    console.print(f"[green]production[/]: {production.resolve()}")
+    console.print(f"report: {production / 'report.md'}")
+    if not serve_after:
+        return
+    from modelship.server.launcher import serve as run_server
+    from modelship.storage import read_manifest
+
+    variant = read_manifest(production).extra.get("variant", "unknown")
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_server(
+        production,
+        host=config.serve.host,
+        port=config.serve.port,
+        served_model_name=config.serve.served_model_name or slug,
+        api_key=config.serve.api_key,
+        variant=variant,
+        grace_period_s=config.serve.grace_period_s,
+        engine_config=config.serve.engine.to_engine_config(),
+    )
+
+
 def main() -> None:
     app()

@@ -85,6 +85,21 @@ class EngineOptions(Section):
     max_waiting_requests: int = Field(default=1024, ge=0)
     prefix_caching: bool = True
 
+    def to_engine_config(self):
+        from modelship.engine import EngineConfig
+
+        return EngineConfig(
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
+            block_size=self.block_size,
+            max_waiting_requests=self.max_waiting_requests,
+            enable_prefix_caching=self.prefix_caching,
+        )
+
     def cli_args(self) -> list[str]:
         """The same options as `modelship serve` flags."""
         args = ["--device", self.device]

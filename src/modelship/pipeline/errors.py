@@ -7,3 +7,7 @@ class PipelineError(Exception):
 
 class AcquireError(PipelineError):
     """The model could not be acquired (bad source, unreachable Hub, corrupt file...)."""
+
+
+class TransientError(PipelineError):
+    """A failure worth retrying (a network hiccup, a worker that died); the DAG retries it."""

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,25 @@ def is_done(storage: Storage, slug: str, variant: str, inputs_hash: str) -> bool
     return manifest.inputs_hash == inputs_hash
 
 
+def _worker_init(log_path: str | None) -> None:
+    """Worker processes die with their parent (a `kill -9` of the run must not leave a
+    worker holding a variant's lock), and write their output to the step's log."""
+    import ctypes
+    import signal
+    import sys
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except OSError:
+        pass
+    if log_path is not None:
+        handle = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker
+        os.dup2(handle.fileno(), 1)
+        os.dup2(handle.fileno(), 2)
+        sys.stdout = sys.stderr = handle
+
+
 def run_variant(
     root: str, slug: str, recipe: Recipe, inputs_hash: str, num_threads: int
 ) -> VariantResult:
@@ -101,8 +121,12 @@ def optimize(
     max_parallel: int | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
     on_done=None,
+    num_threads: int | None = None,
+    log_path: Path | None = None,
 ) -> list[VariantResult]:
-    """Make `variants` of `models/<slug>/base` in parallel processes; raise if any failed."""
+    """Make `variants` of `models/<slug>/base` in parallel processes; raise if any failed.
+
+    Each worker uses `num_threads` torch threads (default: the cores shared out)."""
     recipes = [recipe_for(v, (overrides or {}).get(v)) for v in variants]
     verify_artifact(storage.base_dir(slug))  # fail fast, naming the path, before forking
     results: list[VariantResult] = []
@@ -120,9 +144,14 @@ def optimize(
         return sorted(results, key=lambda r: variants.index(r.variant))
     cores = os.cpu_count() or 1
     workers = max(1, min(max_parallel or cores, len(pending)))
-    threads = max(1, cores // workers)
+    threads = num_threads or max(1, cores // workers)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=context,
+        initializer=_worker_init,
+        initargs=(str(log_path) if log_path else None,),
+    ) as pool:
         futures = {
             pool.submit(
                 run_variant, str(storage.root), slug, recipe, inputs_hash, threads
@@ -133,6 +162,8 @@ def optimize(
             variant = futures[future]
             try:
                 result = future.result()
+            except BrokenProcessPool:
+                raise  # a worker died (killed, out of memory): transient, the caller may retry
             except Exception as exc:
                 failures.append(f"{variant}: {type(exc).__name__}: {exc}")
                 continue

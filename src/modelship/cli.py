@@ -158,6 +158,12 @@ def serve(
     )
 
 
+ConfigStorageOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--storage", envvar=STORAGE_ENV, help="Storage root (default: the config's `storage`)."
+    ),
+]
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="pipeline.yaml (default: built-in defaults, demo model)."),
@@ -192,17 +198,17 @@ def optimize(
     ] = None,
     max_parallel: Annotated[int | None, typer.Option(help="Variants made at once.")] = None,
     model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
-    storage: StorageOption = Path("./modelship-data"),
+    storage: ConfigStorageOption = None,
 ) -> None:
     """Make optimized variants (fp16, awq, gptq...) of an acquired model, in parallel."""
     from modelship.pipeline.optimize import optimize as run_optimize
 
-    config = load_config(config_path)
+    config = load_config(config_path, storage=storage)
     slug = _slug(config, model)
     variants = variant or config.optimize.variants
     try:
         results = run_optimize(
-            Storage(storage),
+            Storage(config.storage),
             slug,
             variants,
             max_parallel=max_parallel or config.optimize.max_parallel,
@@ -220,19 +226,19 @@ def optimize(
 def select(
     config_path: ConfigOption = None,
     model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
-    storage: StorageOption = Path("./modelship-data"),
+    storage: ConfigStorageOption = None,
 ) -> None:
     """Measure every variant, gate, score, publish the winner as a release (production)."""
     from modelship.pipeline.select.runner import select as run_select
 
-    config = load_config(config_path)
+    config = load_config(config_path, storage=storage)
     slug = _slug(config, model)
     try:
-        result = run_select(Storage(storage), slug, config, log=err_console.print)
+        result = run_select(Storage(config.storage), slug, config, log=err_console.print)
     except (PipelineError, StorageError) as exc:
         fail(str(exc))
         return
-    _print_selection(result, Storage(storage), slug)
+    _print_selection(result, Storage(config.storage), slug)
 
 
 def _print_selection(result, storage: Storage, slug: str) -> None:
@@ -254,14 +260,15 @@ def rollback(
     to: Annotated[int | None, typer.Option(help="Release number (default: the previous).")] = None,
     config_path: ConfigOption = None,
     model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
-    storage: StorageOption = Path("./modelship-data"),
+    storage: ConfigStorageOption = None,
 ) -> None:
     """Point production at an earlier release (atomically)."""
     from modelship.pipeline.select.runner import rollback as run_rollback
 
-    slug = _slug(load_config(config_path), model)
+    config = load_config(config_path, storage=storage)
+    slug = _slug(config, model)
     try:
-        before, after = run_rollback(Storage(storage), slug, to)
+        before, after = run_rollback(Storage(config.storage), slug, to)
     except (PipelineError, StorageError) as exc:
         fail(str(exc))
         return
@@ -272,7 +279,7 @@ def rollback(
 def status(
     config_path: ConfigOption = None,
     model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
-    storage: StorageOption = Path("./modelship-data"),
+    storage: ConfigStorageOption = None,
 ) -> None:
     """Each pipeline step's state and timing, the releases and which one is production."""
     from rich.table import Table
@@ -280,8 +287,9 @@ def status(
     from modelship.pipeline.dag import read_status
     from modelship.pipeline.run import run_dir
 
-    store = Storage(storage)
-    slug = _slug(load_config(config_path), model)
+    config = load_config(config_path, storage=storage)
+    store = Storage(config.storage)
+    slug = _slug(config, model)
     state = read_status(run_dir(store, slug))
     if state is None:
         console.print(f"no pipeline run recorded for {slug} under {store.root}")

@@ -166,7 +166,7 @@ def measure_quality(scorer: Scorer, reference: Reference, tasks: list[TaskItem])
         correct.setdefault(item.kind, []).append(ok)
     all_ok = [ok for oks in correct.values() for ok in oks]
     return QualityResult(
-        perplexity=math.exp(nll / count),
+        perplexity=math.exp(nll / count) if nll / count < 700 else math.inf,
         top1_agreement=agree / count,
         kl_divergence=max(kl / count, 0.0),
         task_accuracy=sum(all_ok) / len(all_ok) if all_ok else 0.0,

@@ -1,0 +1,48 @@
+"""pipeline.yaml: defaults, and errors that name the field (CLI exit code 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from modelship.cli import app
+from modelship.config import ConfigError, ModelshipConfig
+
+
+def test_defaults_run_the_demo_with_the_three_variants() -> None:
+    config = ModelshipConfig.load(None)
+    assert config.source == "demo"
+    assert config.optimize.variants == ["fp16", "awq", "gptq"]
+    assert config.select.preset == "default" and config.select.gates.min_quality_share == 0.9
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("optimize:\n  variants: [fp16, fp8]\n", "optimize.variants: unknown variant 'fp8'"),
+        ("select:\n  concurrency: 0\n", "select.concurrency: Input should be greater"),
+        ("select:\n  weights: {speed: 1}\n", "select.weights.speed"),
+        ("select:\n  gates: {min_quality_share: 2}\n", "select.gates.min_quality_share"),
+        ("serve:\n  prot: 80\n", "serve.prot: Extra inputs are not permitted"),
+        ("select: [1, 2\n", "not valid YAML"),
+        ("- a list\n", "top level must be a mapping"),
+    ],
+)
+def test_errors_name_the_field(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"pipeline\.yaml") as info:
+        ModelshipConfig.load(path)
+    assert fragment in str(info.value)
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path: Path) -> None:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("optimize:\n  max_parallel: -1\n")
+    result = CliRunner().invoke(app, ["run", "--no-serve", "--config", str(path)])
+    assert result.exit_code == 2
+    assert "optimize.max_parallel" in result.output
+    missing = CliRunner().invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2 and "no such config file" in missing.output

@@ -1,0 +1,138 @@
+"""Select on a tiny model: every variant measured, broken ones gated with reasons, a
+release published and production switched, memoized reruns, rollback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.optimize import optimize
+from modelship.pipeline.run import run_pipeline
+from modelship.pipeline.select.runner import rollback, select
+from modelship.storage import Storage, read_manifest
+
+from pipeline_config import tiny_config
+
+
+def publish_broken(storage: Storage, name: str, damage) -> None:
+    """A variant folder made from fp16 and then damaged, published like a real one."""
+    source = storage.variant_dir("tiny", "fp16")
+    target = storage.variant_dir("tiny", name)
+    with (
+        storage.lock(target),
+        storage.publish(
+            target, kind="optimized", source=str(source), revision=None, inputs_hash=name
+        ) as staging,
+    ):
+        for path in source.iterdir():
+            if path.name != "manifest.json":
+                shutil.copy(path, staging / path.name)
+        damage(staging)
+
+
+def scale_weights(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v * 40 for k, v in tensors.items()}, folder / "model.safetensors")
+
+
+def break_config(folder: Path) -> None:
+    (folder / "config.json").write_text("{ not json")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("select")
+    config = tiny_config(tiny_llama_dir, root / "data")
+    storage = Storage(config.storage)
+    slug, records = run_pipeline(config, storage)
+    assert slug == "tiny"
+    return config, storage, records
+
+
+def test_all_variants_load_in_our_engine_and_in_transformers(pipeline) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from modelship import LLM, SamplingParams
+
+    _config, storage, records = pipeline
+    assert {name for name in records} == {"acquire", "optimize:fp16", "optimize:awq",
+                                          "optimize:gptq", "select"}  # fmt: skip
+    for variant in ("fp16", "awq", "gptq"):
+        folder = storage.variant_dir("tiny", variant)
+        manifest = read_manifest(folder)
+        assert manifest.extra["recipe"]["scheme"] == variant
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+        llm = LLM(folder, dtype="float32", num_kv_blocks=32, block_size=4)
+        [output] = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+        assert len(output.outputs[0].token_ids) == 3
+
+
+def test_release_is_published_with_evaluations_and_report(pipeline) -> None:
+    _config, storage, records = pipeline
+    winner = records["select"].facts["winner"]
+    assert storage.production_release("tiny") == records["select"].facts["release"] == 1
+    production = storage.production_link("tiny")
+    metrics = json.loads((production / "production_metrics.json").read_text())
+    assert metrics["variant"] == winner and metrics["ranking"][0]["variant"] == winner
+    for variant in ("base", "fp16", "awq", "gptq"):
+        evaluation = json.loads((storage.evaluations_dir("tiny") / f"{variant}.json").read_text())
+        assert evaluation["quality"]["num_task_items"] >= 50
+    gptq = json.loads((storage.evaluations_dir("tiny") / "gptq.json").read_text())
+    assert gptq["serving"]["throughput_tok_s"] > 0 and gptq["serving"]["failed_requests"] == 0
+    fp16 = json.loads((storage.evaluations_dir("tiny") / "fp16.json").read_text())
+    assert gptq["weight_bytes"] < 0.85 * fp16["weight_bytes"]  # embeddings stay 16-bit
+    report = (production / "report.md").read_text()
+    assert f"**{winner}** won" in report and "## Metrics" in report
+    assert "<svg" in (production / "report.html").read_text()
+
+
+def test_broken_variants_are_gated_and_the_report_says_why(pipeline) -> None:
+    config, storage, _ = pipeline
+    publish_broken(storage, "scaled", scale_weights)
+    publish_broken(storage, "unloadable", break_config)
+    variants = ["fp16", "scaled", "unloadable"]
+    result = select(storage, "tiny", config, variants=variants, log=lambda _: None)
+    by_name = {s.variant: s for s in result.scores}
+    assert result.winner == "fp16" and result.new_release
+    assert not by_name["scaled"].passed
+    assert any("quality" in r and "below the 60% gate" in r for r in by_name["scaled"].reasons)
+    assert not by_name["unloadable"].passed
+    assert by_name["unloadable"].reasons[0].startswith("failed to load")
+    report = (storage.release_dir("tiny", result.release) / "report.md").read_text()
+    assert "**scaled** was gated out: quality" in report
+    assert "**unloadable** was gated out: failed to load" in report
+
+
+def test_rerun_is_memoized_and_rollback_switches_back(pipeline) -> None:
+    config, storage, _ = pipeline
+    before = storage.production_release("tiny")
+    messages: list[str] = []
+    again = select(storage, "tiny", config, variants=["fp16", "scaled", "unloadable"],
+                   log=messages.append)  # fmt: skip
+    assert not again.new_release and again.release == before
+    assert sum("evaluation memoized" in m for m in messages) == 4  # base + 3 variants
+
+    previous, now = rollback(storage, "tiny")
+    assert (previous, now) == (before, before - 1)
+    assert storage.production_release("tiny") == before - 1
+    assert read_manifest(storage.production_link("tiny")).kind == "release"
+    with pytest.raises(PipelineError, match="no release before 1"):
+        rollback(storage, "tiny")
+    with pytest.raises(PipelineError, match="release 9 does not exist"):
+        rollback(storage, "tiny", to=9)
+    rollback(storage, "tiny", to=before)
+    assert storage.production_release("tiny") == before
+
+
+def test_optimize_alone_is_memoized_after_the_run(pipeline) -> None:
+    config, storage, _ = pipeline
+    results = optimize(storage, "tiny", ["fp16", "awq", "gptq"], overrides=config.optimize.recipes)
+    assert all(r.memoized for r in results)

@@ -24,7 +24,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/modelship acquire demo
+	$(VENV)/bin/modelship run demo
 
 test: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)

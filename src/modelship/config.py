@@ -63,7 +63,7 @@ class SelectConfig(Section):
     concurrency: int = Field(default=8, ge=1)
     throughput_requests: int = Field(default=16, ge=1)
     prompt_tokens: int = Field(default=128, ge=1)
-    output_tokens: int = Field(default=64, ge=1)
+    output_tokens: int = Field(default=32, ge=1)
 
     @field_validator("weights")
     @classmethod

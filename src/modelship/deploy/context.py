@@ -1,0 +1,79 @@
+"""Everything a builder needs, resolved once from the config (names, paths, ports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelship.config import ModelshipConfig
+from modelship.deploy.config import DeployConfig, ServingConfig
+from modelship.deploy.names import dns_name, model_slug
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """Resolved names shared by the builders; one per render."""
+
+    config: ModelshipConfig
+    name: str  # prefix of every object name, a DNS-1035 label
+    slug: str  # the model's folder under models/
+    served_model_name: str
+
+    @classmethod
+    def from_config(cls, config: ModelshipConfig) -> RenderContext:
+        slug = model_slug(config.source, config.name)
+        return cls(
+            config=config,
+            name=config.deploy.name or dns_name(slug),
+            slug=slug,
+            served_model_name=config.serve.served_model_name or slug,
+        )
+
+    @property
+    def deploy(self) -> DeployConfig:
+        return self.config.deploy
+
+    @property
+    def serving(self) -> ServingConfig:
+        return self.config.deploy.serving
+
+    @property
+    def namespace(self) -> str:
+        return self.config.deploy.namespace
+
+    @property
+    def port(self) -> int:
+        return self.config.serve.port
+
+    @property
+    def pvc_name(self) -> str:
+        return self.config.deploy.storage.pvc_name
+
+    @property
+    def config_map_name(self) -> str:
+        """The ConfigMap holding pipeline.yaml, mounted at /etc/modelship."""
+        return f"{self.name}-config"
+
+    @property
+    def memo_cache_name(self) -> str:
+        """Argo's memoization cache (a ConfigMap) for the acquire step."""
+        return f"{self.name}-acquire-cache"
+
+    @property
+    def pipeline_service_account(self) -> str:
+        return self.config.deploy.workflow.service_account or f"{self.name}-pipeline"
+
+    @property
+    def api_key_secret(self) -> str | None:
+        """The Secret holding the API key, or None when the API is open."""
+        if self.serving.api_key_secret:
+            return self.serving.api_key_secret
+        return f"{self.name}-api-key" if self.config.serve.api_key else None
+
+    @property
+    def renders_api_key_secret(self) -> bool:
+        return self.serving.api_key_secret is None and self.config.serve.api_key is not None
+
+    @property
+    def metric_prefix(self) -> str:
+        """Engine metric names are vLLM's with this prefix (see server/metrics.py)."""
+        return "vllm:" if self.serving.engine == "vllm" else "modelship:"

@@ -1,0 +1,142 @@
+"""Render the config to Kubernetes YAML files, checked, and write them all or nothing.
+
+cluster.yaml       PVC, ConfigMap (pipeline.yaml), memo cache, API key Secret, RBAC
+workflow.yaml      the Argo Workflow (generateName: submit it as often as you like)
+serving.yaml       KServe InferenceService, or engine + gateway Deployments and friends
+helm-values.yaml   deployment serving only: values for deploy/helm/modelship
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from modelship.config import ModelshipConfig
+from modelship.deploy.checks import check_objects
+from modelship.deploy.cluster import cluster_objects
+from modelship.deploy.context import RenderContext
+from modelship.deploy.helm_values import helm_values
+from modelship.deploy.kserve import kserve_serving
+from modelship.deploy.serving import METRICS_PORT, deployment_serving
+from modelship.deploy.workflow import task_name, workflow
+
+Json = dict[str, Any]
+MARKER = ".modelship-render"
+KNATIVE_RESERVED_PORTS = {
+    8012,
+    8013,
+    8022,
+    8112,
+    9090,
+    9091,
+}  # tells a previous render (safe to replace) from other folders
+
+
+class RenderError(ValueError):
+    """The config cannot be rendered; each line names the field (or object) at fault."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    files: dict[str, list[Json]]  # file name -> objects, in apply order
+    helm_values: Json | None = field(default=None)
+
+    @property
+    def objects(self) -> list[Json]:
+        return [obj for objects in self.files.values() for obj in objects]
+
+
+def config_problems(config: ModelshipConfig) -> list[str]:
+    """Combinations each section accepts alone but that cannot work together."""
+    problems = []
+    serving = config.deploy.serving
+    if serving.gpu is not None and serving.engine == "ours" and config.serve.engine.device == "cpu":
+        problems.append(
+            "serve.engine.device: is 'cpu' but deploy.serving.gpu asks for GPUs; "
+            "set serve.engine.device: cuda (or drop deploy.serving.gpu)"
+        )
+    ports = {"serve.port": config.serve.port, "deploy.serving.gateway.port": serving.gateway.port}
+    for name, port in ports.items():
+        if port == METRICS_PORT:
+            problems.append(f"{name}: {port} is the Services' metrics port; choose another")
+    if serving.kind == "kserve" and config.serve.port in KNATIVE_RESERVED_PORTS:
+        problems.append(f"serve.port: {config.serve.port} is reserved by Knative's queue-proxy")
+    tasks = [task_name(variant) for variant in config.optimize.variants]
+    if len(set(tasks)) != len(tasks):
+        problems.append(f"optimize.variants: {tasks} repeat once made into task names")
+    return problems
+
+
+def render(config: ModelshipConfig) -> Rendered:
+    """Every object for `config`; raises RenderError before anything could be written."""
+    problems = config_problems(config)
+    if problems:
+        raise RenderError("\n".join(problems))
+    ctx = RenderContext.from_config(config)
+    serving = kserve_serving(ctx) if ctx.serving.kind == "kserve" else deployment_serving(ctx)
+    rendered = Rendered(
+        files={
+            "cluster.yaml": cluster_objects(ctx),
+            "workflow.yaml": [workflow(ctx, serving)],
+            "serving.yaml": serving,
+        },
+        helm_values=helm_values(ctx) if ctx.serving.kind == "deployment" else None,
+    )
+    errors = check_objects(rendered.objects)
+    if errors:
+        raise RenderError("\n".join(str(error) for error in errors))
+    return rendered
+
+
+def dump_objects(objects: list[Json]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+
+
+def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
+    """Write into a temporary sibling, then rename it to `out`: never a half-written folder.
+
+    An existing `out` is replaced only if it is empty or a previous render (has the marker),
+    so a mistyped `--out .` cannot swap away a working directory.
+    """
+    out = Path(out)
+    if out.exists() and not _replaceable(out):
+        raise RenderError(
+            f"{out}: exists and is not a previous render; choose a new or empty folder"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        for name, objects in rendered.files.items():
+            (tmp / name).write_text(dump_objects(objects))
+        if rendered.helm_values is not None:
+            text = yaml.safe_dump(rendered.helm_values, sort_keys=False)
+            (tmp / "helm-values.yaml").write_text(text)
+        (tmp / MARKER).write_text("written by `modelship deploy render`; safe to replace\n")
+        _swap_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(path for path in out.iterdir() if path.name != MARKER)
+
+
+def _replaceable(out: Path) -> bool:
+    return out.is_dir() and ((out / MARKER).is_file() or not any(out.iterdir()))
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:
+        old.rename(out)  # put the previous render back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,292 @@
+"""Serving as plain Kubernetes: engine Deployment + Service + PDB, HPA or KEDA, the gateway.
+
+The engine replicas are scaled on their own load metrics (scraped from `/metrics` on the
+serve port): in-flight requests per replica against `target_concurrency`, and queued
+requests against `target_waiting`. A canary is a second, fixed-size Deployment serving a
+pinned release behind its own Service; the gateway splits traffic between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelship.deploy.context import RenderContext
+from modelship.deploy.names import CONFIG_PATH, labels, metadata, selector
+from modelship.deploy.pod import (
+    api_key_env,
+    config_mount,
+    config_volume,
+    data_volume,
+    engine_container,
+    gpu_scheduling,
+    non_root,
+    prestop_sleep,
+    probes,
+    prometheus_annotations,
+    resources,
+    termination_grace_s,
+)
+
+Json = dict[str, Any]
+ENGINE = "engine"
+GATEWAY = "gateway"
+METRICS_PORT = 9090  # the Service port named `metrics` (a ServiceMonitor selects it by name)
+
+
+def track_names(ctx: RenderContext, track: str) -> tuple[str, str]:
+    """(object name, pod component label) of the stable or the canary engine."""
+    if track == "canary":
+        return f"{ctx.name}-{ENGINE}-canary", f"{ENGINE}-canary"
+    return f"{ctx.name}-{ENGINE}", ENGINE
+
+
+def serves_annotation(release: int | None) -> str:
+    return "production" if release is None else f"releases/{release}"
+
+
+def engine_deployment(ctx: RenderContext, track: str = "stable") -> Json:
+    """Engine replicas serving `production` (or a pinned release), or the canary's release."""
+    name, component = track_names(ctx, track)
+    canary = ctx.serving.canary
+    release = canary.release if track == "canary" and canary else ctx.serving.release
+    pod_labels = selector(ctx.name, component)
+    container = engine_container(ctx, name=ENGINE, release=release, port_name="http")
+    container["lifecycle"] = prestop_sleep(ctx.serving.drain_delay_s)
+    pod_spec: Json = {
+        "terminationGracePeriodSeconds": termination_grace_s(ctx),
+        "containers": [container],
+        "volumes": [data_volume(ctx, read_only=True)],
+        **gpu_scheduling(ctx.serving.gpu),
+    }
+    annotations = prometheus_annotations(ctx.port)
+    annotations["modelship.io/serves"] = serves_annotation(release)
+    spec: Json = {
+        "selector": {"matchLabels": selector(ctx.name, component)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        },
+        "template": {
+            "metadata": {"labels": pod_labels, "annotations": annotations},
+            "spec": pod_spec,
+        },
+    }
+    # The stable track has no `replicas`: the HPA/KEDA owns it, and every re-apply by the
+    # workflow would otherwise reset it to the rendered number.
+    if track == "canary" and canary is not None:
+        spec["replicas"] = canary.replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "spec": spec,
+    }
+
+
+def engine_service(ctx: RenderContext, track: str = "stable") -> Json:
+    name, component = track_names(ctx, track)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(ctx.name, component),
+            "ports": [
+                {"name": "http", "port": ctx.port, "targetPort": "http", "protocol": "TCP"},
+                # Same container port; a ServiceMonitor scrapes `metrics` at /metrics.
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def disruption_budget(ctx: RenderContext, name: str, component: str) -> Json:
+    """Voluntary evictions (node drains) take at most `max_unavailable` pods at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "spec": {
+            "maxUnavailable": ctx.serving.max_unavailable,
+            "selector": {"matchLabels": selector(ctx.name, component)},
+        },
+    }
+
+
+def scaling_behavior(ctx: RenderContext) -> Json:
+    """Scale up fast (double per 15 s), scale down slowly (one pod per minute)."""
+    return {
+        "scaleUp": {
+            "stabilizationWindowSeconds": ctx.serving.scale_up_stabilization_s,
+            "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": ctx.serving.scale_down_stabilization_s,
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}],
+        },
+    }
+
+
+def pods_metric(metric: str, average: int) -> Json:
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": metric},
+            "target": {"type": "AverageValue", "averageValue": str(average)},
+        },
+    }
+
+
+def horizontal_autoscaler(ctx: RenderContext) -> Json:
+    """HPA on the engine's gauges, served to the custom metrics API by prometheus-adapter.
+
+    Two metrics, the larger proposal wins: in-flight requests per replica (the concurrency
+    target) and queued requests per replica (the engine is saturated when these grow).
+    """
+    name, component = track_names(ctx, "stable")
+    prefix = ctx.metric_prefix
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": ctx.serving.min_replicas,
+            "maxReplicas": ctx.serving.max_replicas,
+            "metrics": [
+                pods_metric(f"{prefix}num_requests_running", ctx.serving.target_concurrency),
+                pods_metric(f"{prefix}num_requests_waiting", ctx.serving.target_waiting),
+            ],
+            "behavior": scaling_behavior(ctx),
+        },
+    }
+
+
+def concurrency_query(ctx: RenderContext, pod_prefix: str) -> str:
+    """Requests in flight (running + waiting) over all stable engine pods."""
+    match = f'namespace="{ctx.namespace}",pod=~"{pod_prefix}-[a-z0-9]+-[a-z0-9]+"'
+    prefix = ctx.metric_prefix
+    return (
+        f"sum({prefix}num_requests_running{{{match}}})"
+        f" + sum({prefix}num_requests_waiting{{{match}}})"
+    )
+
+
+def scaled_object(ctx: RenderContext) -> Json:
+    """KEDA: the same target, read from Prometheus directly (no metrics adapter needed)."""
+    name, component = track_names(ctx, "stable")
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": ctx.serving.min_replicas,
+            "maxReplicaCount": ctx.serving.max_replicas,
+            "pollingInterval": 15,
+            "cooldownPeriod": max(ctx.serving.scale_down_stabilization_s, 60),
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": scaling_behavior(ctx)}},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",  # the threshold is per replica
+                    "metadata": {
+                        "serverAddress": ctx.serving.prometheus_url,
+                        "query": concurrency_query(ctx, name),
+                        "threshold": str(ctx.serving.target_concurrency),
+                    },
+                }
+            ],
+        },
+    }
+
+
+def gateway_env(ctx: RenderContext) -> list[Json]:
+    """Where the gateway finds the engines, and the canary split it applies."""
+    stable, _ = track_names(ctx, "stable")
+    env = [{"name": "MODELSHIP_GATEWAY_ENDPOINTS", "value": f"http://{stable}:{ctx.port}"}]
+    canary = ctx.serving.canary
+    if canary is not None:
+        name, _ = track_names(ctx, "canary")
+        env += [
+            {"name": "MODELSHIP_GATEWAY_CANARY_ENDPOINTS", "value": f"http://{name}:{ctx.port}"},
+            {"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)},
+        ]
+    return env + api_key_env(ctx)  # the key the engines require, when they do
+
+
+def gateway_deployment(ctx: RenderContext) -> Json:
+    gateway = ctx.serving.gateway
+    name = f"{ctx.name}-{GATEWAY}"
+    container: Json = {
+        "name": GATEWAY,
+        "image": ctx.deploy.image,
+        "imagePullPolicy": ctx.deploy.image_pull_policy,
+        "command": ["modelship"],
+        "args": ["gateway", "--config", CONFIG_PATH],
+        "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
+        "env": gateway_env(ctx),
+        **probes("http", "/ready"),
+        "lifecycle": prestop_sleep(ctx.serving.drain_delay_s),
+        "resources": resources(gateway.resources, None),
+        "volumeMounts": [config_mount()],
+        "securityContext": non_root(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(name, ctx.namespace, labels(ctx.name, GATEWAY)),
+        "spec": {
+            "replicas": gateway.replicas,
+            "selector": {"matchLabels": selector(ctx.name, GATEWAY)},
+            "template": {
+                "metadata": {
+                    "labels": selector(ctx.name, GATEWAY),
+                    "annotations": prometheus_annotations(gateway.port),
+                },
+                "spec": {
+                    "terminationGracePeriodSeconds": termination_grace_s(ctx),
+                    "containers": [container],
+                    "volumes": [config_volume(ctx)],
+                },
+            },
+        },
+    }
+
+
+def gateway_service(ctx: RenderContext) -> Json:
+    """What clients call: the OpenAI API behind auth, limits and routing."""
+    port = ctx.serving.gateway.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(f"{ctx.name}-{GATEWAY}", ctx.namespace, labels(ctx.name, GATEWAY)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(ctx.name, GATEWAY),
+            "ports": [
+                {"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def deployment_serving(ctx: RenderContext) -> list[Json]:
+    """Every object of deployment serving, in apply order."""
+    engine, engine_component = track_names(ctx, "stable")
+    objects = [
+        engine_deployment(ctx),
+        engine_service(ctx),
+        disruption_budget(ctx, engine, engine_component),
+        scaled_object(ctx) if ctx.serving.autoscaler == "keda" else horizontal_autoscaler(ctx),
+    ]
+    if ctx.serving.canary is not None:
+        objects += [engine_deployment(ctx, "canary"), engine_service(ctx, "canary")]
+    objects += [
+        gateway_deployment(ctx),
+        gateway_service(ctx),
+        disruption_budget(ctx, f"{ctx.name}-{GATEWAY}", GATEWAY),
+    ]
+    return objects

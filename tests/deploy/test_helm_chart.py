@@ -1,0 +1,102 @@
+"""The Helm chart renders the same serving objects as `deploy render --serving deployment`."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s_tools import CHART_DIR, config_for
+
+from modelship.config import ModelshipConfig
+from modelship.deploy.checks import check_objects
+from modelship.deploy.context import RenderContext
+from modelship.deploy.helm_values import helm_values
+from modelship.deploy.render import render
+from modelship.deploy.validate import validate_objects
+
+Json = dict[str, Any]
+CASES = {
+    "cpu-hpa": lambda: config_for("deployment", "hpa"),
+    "gpu-keda-canary": lambda: config_for("deployment", "keda", "gpu", canary=True),
+    "vllm-hpa-api-key": lambda: config_for("deployment", "hpa", "vllm", serve={"api_key": "k"}),
+    "pinned-release-named": lambda: config_for(
+        deploy={"name": "chat", "namespace": "llm", "serving": {"release": 3}},
+        serve={"grace_period_s": 2.5, "served_model_name": "chat-model"},
+    ),
+}
+
+
+def run_helm(helm: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(helm), *map(str, args)], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def helm_template(helm: Path, values: Json, tmp_path: Path) -> list[Json]:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    result = run_helm(helm, "template", "release", CHART_DIR, "-f", values_file)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def keyed(objects: list[Json]) -> dict[tuple[str, str], Json]:
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
+
+
+def test_chart_lints(helm: Path) -> None:
+    result = run_helm(helm, "lint", "--strict", CHART_DIR)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chart_defaults_are_the_default_config() -> None:
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    expected = helm_values(RenderContext.from_config(ModelshipConfig.from_dict({})))
+    assert defaults == expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chart_renders_what_deploy_render_does(
+    case: str, helm: Path, tmp_path: Path, schema_dir: Path
+) -> None:
+    rendered = render(CASES[case]())
+    assert rendered.helm_values is not None
+    charted = keyed(helm_template(helm, rendered.helm_values, tmp_path))
+    expected = keyed(rendered.files["serving.yaml"])
+
+    assert sorted(charted) == sorted(expected)
+    for key, ours in expected.items():
+        theirs = charted[key]
+        assert theirs["apiVersion"] == ours["apiVersion"], key
+        assert theirs["metadata"]["namespace"] == ours["metadata"]["namespace"], key
+        # Labels: the chart adds Helm's own; the identifying ones must agree.
+        for label in ("app.kubernetes.io/instance", "app.kubernetes.io/component"):
+            assert theirs["metadata"]["labels"][label] == ours["metadata"]["labels"][label]
+        assert theirs["spec"] == ours["spec"], key
+
+    # The chart's objects are valid on their own terms, with the render's cluster objects.
+    objects = list(charted.values()) + rendered.files["cluster.yaml"]
+    assert validate_objects(objects, schema_dir) == []
+    assert check_objects(objects) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("autoscaling.autoscaler=prometheus", "autoscaler"),
+        ("canary.weight=100", "weight"),
+        ("engine.port=9090", "port"),
+        ("replicas=3", "replicas"),
+    ],
+)
+def test_values_schema_rejects_bad_values(helm: Path, override: str, message: str) -> None:
+    result = run_helm(helm, "template", "release", CHART_DIR, "--set", override)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_kserve_render_writes_no_helm_values() -> None:
+    assert render(config_for("kserve")).helm_values is None

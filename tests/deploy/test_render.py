@@ -1,0 +1,393 @@
+"""Every serving combination renders, passes the strict schemas and the cross-checks."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from k8s_tools import by_kind, config_for, one
+
+from modelship.config import ModelshipConfig
+from modelship.deploy.checks import check_objects
+from modelship.deploy.render import render
+from modelship.deploy.validate import validate_objects
+from modelship.deploy.workflow import ROLLOUT_ANNOTATION
+
+SERVING = [("kserve", "hpa"), ("deployment", "hpa"), ("deployment", "keda")]
+MATRIX = [
+    (serving, autoscaler, gpu, canary)
+    for (serving, autoscaler), gpu, canary in itertools.product(
+        SERVING, ["cpu", "gpu", "vllm"], [False, True]
+    )
+]
+NAME = "smollm2-135m-instruct"
+
+
+def ids(point: tuple[str, str, str, bool]) -> str:
+    serving, autoscaler, gpu, canary = point
+    kind = "kserve" if serving == "kserve" else f"deployment-{autoscaler}"
+    return f"{kind}-{gpu}" + ("-canary" if canary else "")
+
+
+@pytest.mark.parametrize("point", MATRIX, ids=ids)
+def test_every_combination_is_valid(point: tuple[str, str, str, bool], schema_dir: Path) -> None:
+    serving, autoscaler, gpu, canary = point
+    objects = render(config_for(serving, autoscaler, gpu, canary)).objects
+
+    assert validate_objects(objects, schema_dir) == []
+    assert check_objects(objects) == []
+    kinds = {obj["kind"] for obj in objects}
+    assert {"PersistentVolumeClaim", "ConfigMap", "Workflow", "PodDisruptionBudget"} <= kinds
+    if serving == "kserve":
+        assert "InferenceService" in kinds and "Deployment" not in kinds
+    else:
+        autoscaler_kind = "ScaledObject" if autoscaler == "keda" else "HorizontalPodAutoscaler"
+        assert autoscaler_kind in kinds and "InferenceService" not in kinds
+        assert len(by_kind(objects, "Deployment")) == (3 if canary else 2)
+
+
+def engine_pod(objects: list[dict], serving: str) -> tuple[dict, dict]:
+    """(pod-spec-like dict, engine container) of the stable engine."""
+    if serving == "kserve":
+        predictor = one(objects, "InferenceService")["spec"]["predictor"]
+        return predictor, predictor["containers"][0]
+    pod = one(objects, "Deployment", f"{NAME}-engine")["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+@pytest.mark.parametrize("serving", ["kserve", "deployment"])
+def test_gpu_serving_asks_for_gpus_on_gpu_nodes(serving: str) -> None:
+    objects = render(config_for(serving, gpu="gpu")).objects
+    pod, container = engine_pod(objects, serving)
+
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in container["resources"].get("requests", {})
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    expression = terms["nodeSelectorTerms"][0]["matchExpressions"][0]
+    assert expression == {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert container["args"][container["args"].index("--device") + 1] == "cuda"
+
+
+def test_cpu_serving_has_no_gpu_anything() -> None:
+    objects = render(config_for("deployment")).objects
+    pod, _ = engine_pod(objects, "deployment")
+    assert "affinity" not in pod and "tolerations" not in pod
+    assert "nvidia.com/gpu" not in json.dumps(objects)
+
+
+@pytest.mark.parametrize("serving", ["kserve", "deployment"])
+def test_vllm_engine_serves_the_production_folder(serving: str) -> None:
+    objects = render(config_for(serving, gpu="vllm")).objects
+    _, container = engine_pod(objects, serving)
+
+    assert container["image"].startswith("vllm/vllm-openai:")
+    assert container["command"] == ["vllm", "serve"]
+    args = container["args"]
+    assert args[:4] == ["--model", f"/data/models/{NAME}/production", "--served-model-name", NAME]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "securityContext" not in container  # the vLLM image runs as root
+    if serving == "deployment":
+        hpa = one(objects, "HorizontalPodAutoscaler")
+        names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+        assert names == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+
+
+def test_our_engine_runs_modelship_serve_with_engine_flags() -> None:
+    config = config_for("deployment")
+    objects = render(config).objects
+    _, container = engine_pod(objects, "deployment")
+
+    assert container["command"] == ["modelship"]
+    assert container["args"][:9] == [
+        "serve", f"/data/models/{NAME}/production", "--host", "0.0.0.0", "--port", "8000",
+        "--served-model-name", NAME, *config.serve.engine.cli_args()[:1],
+    ]  # fmt: skip
+    assert container["args"][-2:] == ["--grace-period", "30"]
+    mount = container["volumeMounts"][0]
+    assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
+
+
+def test_deployment_engine_probes_drain_and_grace() -> None:
+    config = config_for("deployment", serve={"grace_period_s": 120})
+    objects = render(config).objects
+    pod, container = engine_pod(objects, "deployment")
+
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    # preStop sleep + the server's own drain must fit in the grace period.
+    assert pod["terminationGracePeriodSeconds"] > 5 + 120
+    service = one(objects, "Service", f"{NAME}-engine")
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
+    assert ports["metrics"]["targetPort"] == "http"  # /metrics is on the serve port
+
+
+def test_hpa_scales_on_concurrency_with_stabilization_windows() -> None:
+    config = config_for(
+        "deployment",
+        deploy={
+            "serving": {
+                "min_replicas": 2,
+                "max_replicas": 9,
+                "target_concurrency": 16,
+                "scale_up_stabilization_s": 30,
+                "scale_down_stabilization_s": 600,
+            }
+        },
+    )
+    spec = one(render(config).objects, "HorizontalPodAutoscaler")["spec"]
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 9)
+    running = spec["metrics"][0]["pods"]
+    assert running["metric"]["name"] == "modelship:num_requests_running"
+    assert running["target"] == {"type": "AverageValue", "averageValue": "16"}
+    assert spec["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 30
+    assert spec["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
+    assert spec["scaleTargetRef"]["name"] == f"{NAME}-engine"
+
+
+def test_keda_queries_prometheus_per_replica() -> None:
+    spec = one(render(config_for("deployment", "keda")).objects, "ScaledObject")["spec"]
+    trigger = spec["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert "modelship:num_requests_running" in trigger["metadata"]["query"]
+    assert trigger["metadata"]["threshold"] == "8"
+    assert spec["minReplicaCount"] == 1
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+
+
+def test_kserve_is_knative_concurrency_scaled_with_canary() -> None:
+    objects = render(config_for("kserve", canary=True)).objects
+    isvc = one(objects, "InferenceService")
+    predictor = isvc["spec"]["predictor"]
+
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Knative"
+    assert predictor["scaleMetric"] == "concurrency" and predictor["scaleTarget"] == 8
+    assert predictor["minReplicas"] >= 1 and predictor["maxReplicas"] == 4
+    assert predictor["canaryTrafficPercent"] == 10
+    container = predictor["containers"][0]
+    assert container["name"] == "kserve-container"
+    assert f"/data/models/{NAME}/releases/2" in container["args"]
+    # Knative rejects lifecycle hooks and grace periods; its timeout bounds the drain.
+    assert "lifecycle" not in container and "terminationGracePeriodSeconds" not in predictor
+    assert predictor["timeout"] >= 30 + 5
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_kserve_without_canary_has_no_traffic_split() -> None:
+    predictor = one(render(config_for("kserve")).objects, "InferenceService")["spec"]["predictor"]
+    assert "canaryTrafficPercent" not in predictor
+
+
+def test_deployment_canary_is_a_pinned_track_the_gateway_splits() -> None:
+    objects = render(config_for("deployment", canary=True)).objects
+    canary = one(objects, "Deployment", f"{NAME}-engine-canary")
+    container = canary["spec"]["template"]["spec"]["containers"][0]
+
+    assert canary["spec"]["replicas"] == 1
+    assert container["args"][1] == f"/data/models/{NAME}/releases/2"
+    one(objects, "Service", f"{NAME}-engine-canary")
+    gateway = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
+    assert env["MODELSHIP_GATEWAY_CANARY_WEIGHT"] == "10"
+    assert env["MODELSHIP_GATEWAY_CANARY_ENDPOINTS"] == f"http://{NAME}-engine-canary:8000"
+    # The stable engine has no replica count: the autoscaler owns it.
+    assert "replicas" not in one(objects, "Deployment", f"{NAME}-engine")["spec"]
+
+
+def test_gateway_runs_modelship_gateway_with_the_config() -> None:
+    objects = render(config_for("deployment")).objects
+    gateway = one(objects, "Deployment", f"{NAME}-gateway")
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["gateway", "--config", "/etc/modelship/pipeline.yaml"]
+    assert gateway["spec"]["replicas"] == 2
+    one(objects, "Service", f"{NAME}-gateway")
+    one(objects, "PodDisruptionBudget", f"{NAME}-gateway")
+
+
+def test_pinned_release_renders_a_rollback() -> None:
+    config = config_for("deployment", deploy={"serving": {"release": 1}})
+    _, container = engine_pod(render(config).objects, "deployment")
+    assert container["args"][1] == f"/data/models/{NAME}/releases/1"
+
+
+def test_workflow_dag_runs_optimize_in_parallel() -> None:
+    workflow = one(render(config_for()).objects, "Workflow")
+    templates = {t["name"]: t for t in workflow["spec"]["templates"]}
+    tasks = {t["name"]: t for t in templates[workflow["spec"]["entrypoint"]]["dag"]["tasks"]}
+
+    assert "dependencies" not in tasks["acquire"]
+    variants = ["fp16", "awq", "gptq"]
+    for variant in variants:
+        task = tasks[f"optimize-{variant}"]
+        assert task["dependencies"] == ["acquire"]
+        assert task["arguments"]["parameters"] == [{"name": "variant", "value": variant}]
+    assert tasks["select"]["dependencies"] == [f"optimize-{v}" for v in variants]
+    assert tasks["deploy"]["dependencies"] == ["select"]
+    assert workflow["spec"]["parallelism"] == 3
+    optimize = templates["optimize"]["container"]["args"]
+    assert optimize == [
+        "optimize", "--config", "/etc/modelship/pipeline.yaml", "--storage", "/data",
+        "--variant", "{{inputs.parameters.variant}}",
+    ]  # fmt: skip
+    assert templates["select"]["container"]["args"][0] == "select"
+
+
+def test_workflow_memoizes_acquire_on_model_and_revision() -> None:
+    config = ModelshipConfig.from_dict({"source": "HuggingFaceTB/SmolLM2-135M", "revision": "v1"})
+    workflow = one(render(config).objects, "Workflow")
+    templates = {t["name"]: t for t in workflow["spec"]["templates"]}
+
+    memo = templates["acquire"]["memoize"]
+    assert memo["key"] == "acquire.huggingfacetb--smollm2-135m.v1"
+    assert memo["cache"]["configMap"]["name"] == "huggingfacetb-smollm2-135m-acquire-cache"
+    run = templates["acquire-run"]["container"]["args"]
+    assert run == [
+        "acquire", "HuggingFaceTB/SmolLM2-135M", "--revision", "v1",
+        "--name", "huggingfacetb--smollm2-135m", "--storage", "/data",
+    ]  # fmt: skip
+    cache = one(render(config).objects, "ConfigMap", memo["cache"]["configMap"]["name"])
+    assert cache["metadata"]["labels"]["workflows.argoproj.io/configmap-type"] == "Cache"
+
+
+def test_workflow_retries_only_transient_failures() -> None:
+    config = config_for(retries={"max_attempts": 4, "backoff_s": 1.5, "max_backoff_s": 60})
+    workflow = one(render(config).objects, "Workflow")
+    for template in workflow["spec"]["templates"]:
+        if "container" not in template and "resource" not in template:
+            continue
+        strategy = template["retryStrategy"]
+        assert strategy["limit"] == 3
+        assert strategy["backoff"] == {"duration": "1500ms", "factor": 2, "cap": "60s"}
+        assert "lastRetry.status == 'Error'" in strategy["expression"]
+        assert "asInt(lastRetry.exitCode) == 75" in strategy["expression"]
+
+
+def test_workflow_optimize_gets_gpus_when_configured() -> None:
+    workflow = one(render(config_for(gpu="gpu")).objects, "Workflow")
+    templates = {t["name"]: t for t in workflow["spec"]["templates"]}
+    assert templates["optimize"]["container"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert templates["optimize"]["tolerations"]
+    assert "nvidia.com/gpu" not in json.dumps(templates["acquire-run"])
+
+
+@pytest.mark.parametrize("serving", ["kserve", "deployment"])
+def test_deploy_step_applies_the_serving_objects(serving: str) -> None:
+    rendered = render(config_for(serving))
+    workflow = one(rendered.objects, "Workflow")
+    templates = {t["name"]: t for t in workflow["spec"]["templates"]}
+    steps = templates["deploy"]["steps"][0]
+    applied = [json.loads(step["arguments"]["parameters"][0]["value"]) for step in steps]
+
+    assert templates["apply"]["resource"]["action"] == "apply"
+    serving_objects = rendered.files["serving.yaml"]
+    assert len(applied) == len(serving_objects)
+    for original, copy_ in zip(serving_objects, applied, strict=True):
+        stamped = json.dumps(copy_)
+        if (
+            original["kind"] in ("Deployment", "InferenceService")
+            and "gateway" not in (original["metadata"]["name"])
+        ):
+            assert ROLLOUT_ANNOTATION in stamped and "{{workflow.name}}" in stamped
+        else:
+            assert copy_ == original
+
+
+def test_canary_track_is_not_restarted_by_the_workflow() -> None:
+    rendered = render(config_for("deployment", canary=True))
+    workflow = one(rendered.objects, "Workflow")
+    deploy = next(t for t in workflow["spec"]["templates"] if t["name"] == "deploy")
+    for step in deploy["steps"][0]:
+        manifest = json.loads(step["arguments"]["parameters"][0]["value"])
+        if manifest["metadata"]["name"].endswith("-canary") and manifest["kind"] == "Deployment":
+            annotations = manifest["spec"]["template"]["metadata"]["annotations"]
+            assert ROLLOUT_ANNOTATION not in annotations
+
+
+def test_config_map_holds_a_loadable_pipeline_yaml_without_the_key() -> None:
+    config = config_for(serve={"api_key": "sk-secret", "port": 8001})
+    objects = render(config).objects
+    config_map = one(objects, "ConfigMap", f"{NAME}-config")
+    loaded = ModelshipConfig.from_dict(yaml.safe_load(config_map["data"]["pipeline.yaml"]))
+
+    assert str(loaded.storage) == "/data"
+    assert loaded.serve.port == 8001 and loaded.serve.api_key is None
+    secret = one(objects, "Secret")
+    assert secret["stringData"] == {"api-key": "sk-secret"}
+    _, container = engine_pod(objects, "deployment")
+    ref = container["env"][0]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "api-key"}
+
+
+def test_existing_secret_is_referenced_not_rendered() -> None:
+    config = config_for(serve={"api_key": "sk"}, deploy={"serving": {"api_key_secret": "my-key"}})
+    objects = render(config).objects
+    assert by_kind(objects, "Secret") == []
+    _, container = engine_pod(objects, "deployment")
+    assert container["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "my-key"
+
+
+def test_pvc_is_rendered_from_storage_settings(schema_dir: Path) -> None:
+    config = config_for(
+        deploy={
+            "storage": {"pvc_name": "models", "size": "2Ti", "storage_class": "fast-rwx"},
+            "namespace": "llm",
+        }
+    )
+    objects = render(config).objects
+    pvc = one(objects, "PersistentVolumeClaim", "models")
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "2Ti"}},
+        "storageClassName": "fast-rwx",
+    }
+    assert {obj["metadata"]["namespace"] for obj in objects} == {"llm"}
+    assert validate_objects(objects, schema_dir) == []
+
+
+def test_schema_validation_catches_a_misspelt_field(schema_dir: Path) -> None:
+    """The validators are not vacuous: an unknown field fails, core and custom kinds alike."""
+    kserve = render(config_for("kserve")).files["serving.yaml"]
+    broken = copy.deepcopy(render(config_for("deployment", "keda")).objects + kserve)
+    one(broken, "Workflow")["spec"]["templates"][1]["retryStrategy"] = {"limits": 3}
+    one(broken, "InferenceService")["spec"]["predictor"]["scaleMetrc"] = "concurrency"
+    one(broken, "ScaledObject")["spec"]["maxReplicas"] = 3
+    deployment = one(broken, "Deployment", f"{NAME}-engine")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+
+    problems = validate_objects(broken, schema_dir)
+    failing = {problem.split(":")[0] for problem in problems}
+    assert len(failing) == 4, problems  # the InferenceService fails as itself and as Knative
+    assert any("limits" in p for p in problems) and any("scaleMetrc" in p for p in problems)
+    assert any("maxReplicas" in p for p in problems)
+    assert any("readinesProbe" in p for p in problems)
+
+
+def test_knative_view_rejects_pod_fields_knative_forbids(schema_dir: Path) -> None:
+    objects = render(config_for("kserve")).objects
+    isvc = one(objects, "InferenceService")
+    isvc["spec"]["predictor"]["containers"][0]["lifecycle"] = {
+        "preStop": {"exec": {"command": ["sleep", "5"]}}
+    }
+    problems = validate_objects([isvc], schema_dir)
+    assert problems and all("as Knative Service" in p for p in problems)
+
+
+def test_workflow_without_deploy_step_for_helm_or_gitops(schema_dir: Path) -> None:
+    rendered = render(config_for(deploy={"workflow": {"deploy_step": False}}))
+    workflow = one(rendered.objects, "Workflow")
+    names = {t["name"] for t in workflow["spec"]["templates"]}
+    assert names == {"pipeline", "acquire", "acquire-run", "optimize", "select"}
+    tasks = workflow["spec"]["templates"][0]["dag"]["tasks"]
+    assert tasks[-1]["name"] == "select"
+    role = one(rendered.objects, "Role")
+    assert [rule["resources"] for rule in role["rules"]] == [["workflowtaskresults"]]
+    assert validate_objects(rendered.objects, schema_dir) == []

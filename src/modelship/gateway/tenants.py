@@ -1,0 +1,336 @@
+"""Tenants: who a request belongs to (API key -> tenant) and what that tenant may spend.
+
+Keys are configured and compared as sha256 hex digests: the gateway never holds, logs or
+returns a key. Limits are token buckets over a minute (requests, and tokens counting
+input and output) plus a cap on concurrent requests. Output length is unknown when a
+request is admitted, so its tokens are charged when it finishes; the bucket may go into
+debt, and the tenant's next request waits for it to refill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class Priority(IntEnum):
+    """Request priority; the values are the engine's (higher runs first)."""
+
+    LOW = -1
+    NORMAL = 0
+    HIGH = 1
+
+
+def hash_api_key(key: str) -> str:
+    """The sha256 hex digest under which a key is configured."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TenantConfig(BaseModel):
+    """One tenant. A limit left at None is no limit."""
+
+    # Errors never echo input: a key pasted where its digest belongs must not reach logs.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    name: str = Field(min_length=1)
+    # One or more keys (several allow rotation without downtime).
+    api_key_sha256: list[str] = Field(min_length=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)  # input + output
+    max_concurrent: int | None = Field(default=None, ge=1)
+    max_input_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    allowed_models: list[str] | None = None  # None: every served model
+    priority: Literal["high", "normal", "low"] = "normal"
+
+    @field_validator("api_key_sha256", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex_digests(cls, digests: list[str]) -> list[str]:
+        for digest in digests:
+            if not _SHA256_HEX.match(digest):
+                # Never echo the value: it might be a pasted key instead of its hash.
+                raise ValueError(
+                    "api_key_sha256 takes lowercase sha256 hex digests (64 characters), "
+                    "e.g. from `printf %s KEY | sha256sum`"
+                )
+        return digests
+
+    @property
+    def priority_level(self) -> Priority:
+        return Priority[self.priority.upper()]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    config: TenantConfig
+
+    @property
+    def priority(self) -> Priority:
+        return self.config.priority_level
+
+
+class TenantRegistry:
+    """The configured tenants; checks names and key digests are unique."""
+
+    def __init__(self, configs: Iterable[TenantConfig]) -> None:
+        self._tenants: dict[str, Tenant] = {}
+        self._digests: list[tuple[bytes, Tenant]] = []
+        for config in configs:
+            if config.name in self._tenants:
+                raise ValueError(f"tenant {config.name!r} is configured twice")
+            tenant = Tenant(config.name, config)
+            self._tenants[config.name] = tenant
+            for digest in config.api_key_sha256:
+                if any(hmac.compare_digest(digest.encode(), d) for d, _ in self._digests):
+                    raise ValueError(f"tenant {config.name!r} reuses another tenant's key")
+                self._digests.append((digest.encode(), tenant))
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def get(self, name: str) -> Tenant | None:
+        return self._tenants.get(name)
+
+    def authenticate(self, api_key: str) -> Tenant | None:
+        """The tenant owning `api_key`, or None. Every digest is compared in constant
+        time and the loop never stops early, so timing says nothing about the keys."""
+        digest = hash_api_key(api_key).encode()
+        found = None
+        for candidate, tenant in self._digests:
+            if hmac.compare_digest(digest, candidate):
+                found = tenant
+        return found
+
+
+@dataclass(frozen=True)
+class TakeResult:
+    ok: bool
+    retry_after_s: float  # 0 when ok; inf when the amount can never fit
+
+
+class TokenBucket:
+    """Holds up to `capacity` tokens, refilled at `refill_per_s`; starts full.
+
+    `debit` may take the level below zero (charging work already done); takes wait until
+    the debt is repaid.
+    """
+
+    def __init__(self, capacity: float, refill_per_s: float, now: float) -> None:
+        if capacity <= 0 or refill_per_s <= 0:
+            raise ValueError("capacity and refill_per_s must be positive")
+        self.capacity = capacity
+        self.refill_per_s = refill_per_s
+        self._level = float(capacity)
+        self._updated_at = now
+
+    @classmethod
+    def per_minute(cls, limit: int, now: float) -> TokenBucket:
+        """`limit` per minute, with at most one minute's worth in a burst."""
+        return cls(capacity=limit, refill_per_s=limit / 60.0, now=now)
+
+    def level(self, now: float) -> float:
+        self._refill(now)
+        return self._level
+
+    def retry_after_s(self, amount: float, now: float) -> float:
+        """Seconds until `amount` can be taken (0: now); changes nothing."""
+        if amount > self.capacity:
+            return math.inf
+        missing = amount - self.level(now)
+        return max(0.0, missing / self.refill_per_s)
+
+    def try_take(self, amount: float, now: float) -> TakeResult:
+        wait = self.retry_after_s(amount, now)
+        if wait > 0:
+            return TakeResult(False, wait)
+        self._level -= amount
+        return TakeResult(True, 0.0)
+
+    def debit(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self._level -= amount
+
+    def _refill(self, now: float) -> None:
+        elapsed = max(0.0, now - self._updated_at)  # a clock running backwards adds nothing
+        self._level = min(self.capacity, self._level + elapsed * self.refill_per_s)
+        self._updated_at = max(self._updated_at, now)
+
+
+class RefusalReason(StrEnum):
+    """Why a tenant's request was refused; a fixed set, usable as a metric label."""
+
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    INPUT_TOO_LONG = "input_too_long"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    MAX_CONCURRENT = "max_concurrent"
+    REQUESTS_PER_MINUTE = "requests_per_minute"
+    TOKENS_PER_MINUTE = "tokens_per_minute"
+
+
+@dataclass(frozen=True)
+class LimitDecision:
+    """The limiter's answer. When admitted, `max_tokens` is the output cap to send on
+    (the tenant's cap when the request named none). When refused, `status_code` is the
+    HTTP status (403, 400 or 429) and `retry_after_s` is set for the 429s."""
+
+    ok: bool
+    reason: RefusalReason | None = None
+    status_code: int = 200
+    retry_after_s: float | None = None
+    max_tokens: int | None = None
+    message: str = ""
+
+
+@dataclass
+class _TenantUsage:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+
+
+class TenantLimiter:
+    """Admits or refuses each tenant's requests against its limits.
+
+    Check, then commit: nothing is taken from any bucket unless every check passes. An
+    admitted request holds one concurrency slot until `release`; its output tokens are
+    charged with `charge` (as they stream, or once at the end).
+    """
+
+    def __init__(self, concurrency_retry_after_s: float = 1.0) -> None:
+        self.concurrency_retry_after_s = concurrency_retry_after_s
+        self._usage: dict[str, _TenantUsage] = {}  # one per configured tenant, no more
+
+    def in_flight(self, tenant_name: str) -> int:
+        usage = self._usage.get(tenant_name)
+        return usage.in_flight if usage else 0
+
+    def admit(
+        self,
+        tenant: Tenant,
+        model: str,
+        input_tokens: int,
+        max_tokens: int | None,
+        now: float,
+    ) -> LimitDecision:
+        config = tenant.config
+        refused = self._check_request(config, model, input_tokens, max_tokens)
+        if refused is not None:
+            return refused
+        usage = self._usage_of(tenant, now)
+        if config.max_concurrent is not None and usage.in_flight >= config.max_concurrent:
+            return _too_many(
+                RefusalReason.MAX_CONCURRENT,
+                self.concurrency_retry_after_s,
+                f"at most {config.max_concurrent} concurrent requests",
+            )
+        if usage.requests is not None:
+            wait = usage.requests.retry_after_s(1, now)
+            if wait > 0:
+                return _too_many(
+                    RefusalReason.REQUESTS_PER_MINUTE,
+                    wait,
+                    f"at most {config.requests_per_minute} requests per minute",
+                )
+        if usage.tokens is not None:
+            wait = usage.tokens.retry_after_s(input_tokens, now)
+            if math.isinf(wait):
+                return LimitDecision(
+                    ok=False,
+                    reason=RefusalReason.TOKENS_PER_MINUTE,
+                    status_code=400,
+                    message=f"the prompt's {input_tokens} tokens exceed the quota of "
+                    f"{config.tokens_per_minute} tokens per minute",
+                )
+            if wait > 0:
+                return _too_many(
+                    RefusalReason.TOKENS_PER_MINUTE,
+                    wait,
+                    f"at most {config.tokens_per_minute} tokens per minute",
+                )
+        # Commit: every check passed.
+        if usage.requests is not None:
+            usage.requests.try_take(1, now)
+        if usage.tokens is not None:
+            usage.tokens.try_take(input_tokens, now)
+        usage.in_flight += 1
+        cap = max_tokens if max_tokens is not None else config.max_output_tokens
+        return LimitDecision(ok=True, max_tokens=cap)
+
+    def charge(self, tenant_name: str, num_output_tokens: int, now: float) -> None:
+        """Debit output tokens already produced (may leave the tenant in debt)."""
+        usage = self._usage.get(tenant_name)
+        if usage is not None and usage.tokens is not None and num_output_tokens > 0:
+            usage.tokens.debit(num_output_tokens, now)
+
+    def release(self, tenant_name: str) -> None:
+        """Free the concurrency slot of an admitted request, however it ended."""
+        usage = self._usage.get(tenant_name)
+        if usage is not None:
+            usage.in_flight = max(0, usage.in_flight - 1)
+
+    def _usage_of(self, tenant: Tenant, now: float) -> _TenantUsage:
+        usage = self._usage.get(tenant.name)
+        if usage is None:
+            config = tenant.config
+            usage = _TenantUsage(
+                requests=_per_minute(config.requests_per_minute, now),
+                tokens=_per_minute(config.tokens_per_minute, now),
+            )
+            self._usage[tenant.name] = usage
+        return usage
+
+    @staticmethod
+    def _check_request(
+        config: TenantConfig, model: str, input_tokens: int, max_tokens: int | None
+    ) -> LimitDecision | None:
+        """The limits that no waiting can fix."""
+        if config.allowed_models is not None and model not in config.allowed_models:
+            return LimitDecision(
+                ok=False,
+                reason=RefusalReason.MODEL_NOT_ALLOWED,
+                status_code=403,
+                message=f"this key may not use model {model!r}",
+            )
+        if config.max_input_tokens is not None and input_tokens > config.max_input_tokens:
+            return LimitDecision(
+                ok=False,
+                reason=RefusalReason.INPUT_TOO_LONG,
+                status_code=400,
+                message=f"the prompt has {input_tokens} tokens; "
+                f"this key allows at most {config.max_input_tokens}",
+            )
+        cap = config.max_output_tokens
+        if cap is not None and max_tokens is not None and max_tokens > cap:
+            return LimitDecision(
+                ok=False,
+                reason=RefusalReason.MAX_TOKENS_TOO_LARGE,
+                status_code=400,
+                message=f"max_tokens is {max_tokens}; this key allows at most {cap}",
+            )
+        return None
+
+
+def _per_minute(limit: int | None, now: float) -> TokenBucket | None:
+    return None if limit is None else TokenBucket.per_minute(limit, now)
+
+
+def _too_many(reason: RefusalReason, retry_after_s: float, message: str) -> LimitDecision:
+    return LimitDecision(
+        ok=False, reason=reason, status_code=429, retry_after_s=retry_after_s, message=message
+    )

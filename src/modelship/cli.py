@@ -164,6 +164,7 @@ ConfigStorageOption = Annotated[
         "--storage", envvar=STORAGE_ENV, help="Storage root (default: the config's `storage`)."
     ),
 ]
+ModelOption = Annotated[str | None, typer.Option(help="Model slug under models/.")]
 ConfigOption = Annotated[
     Path | None,
     typer.Option("--config", "-c", help="pipeline.yaml (default: built-in defaults, demo model)."),
@@ -190,6 +191,12 @@ def _slug(config, model: str | None) -> str:
         fail(f"{exc} (pass --model SLUG to name an acquired model)")
 
 
+def _model_context(config_path: Path | None, storage: Path | None, model: str | None):
+    """The config (with a `--storage` override), its storage root and the model's slug."""
+    config = load_config(config_path, storage=storage)
+    return config, Storage(config.storage), _slug(config, model)
+
+
 @app.command()
 def optimize(
     config_path: ConfigOption = None,
@@ -197,18 +204,17 @@ def optimize(
         list[str] | None, typer.Option("--variant", help="Only this variant (repeatable).")
     ] = None,
     max_parallel: Annotated[int | None, typer.Option(help="Variants made at once.")] = None,
-    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    model: ModelOption = None,
     storage: ConfigStorageOption = None,
 ) -> None:
     """Make optimized variants (fp16, awq, gptq...) of an acquired model, in parallel."""
     from modelship.pipeline.optimize import optimize as run_optimize
 
-    config = load_config(config_path, storage=storage)
-    slug = _slug(config, model)
+    config, store, slug = _model_context(config_path, storage, model)
     variants = variant or config.optimize.variants
     try:
         results = run_optimize(
-            Storage(config.storage),
+            store,
             slug,
             variants,
             max_parallel=max_parallel or config.optimize.max_parallel,
@@ -225,20 +231,19 @@ def optimize(
 @app.command()
 def select(
     config_path: ConfigOption = None,
-    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    model: ModelOption = None,
     storage: ConfigStorageOption = None,
 ) -> None:
     """Measure every variant, gate, score, publish the winner as a release (production)."""
     from modelship.pipeline.select.runner import select as run_select
 
-    config = load_config(config_path, storage=storage)
-    slug = _slug(config, model)
+    config, store, slug = _model_context(config_path, storage, model)
     try:
-        result = run_select(Storage(config.storage), slug, config, log=err_console.print)
+        result = run_select(store, slug, config, log=err_console.print)
     except (PipelineError, StorageError) as exc:
         fail(str(exc))
         return
-    _print_selection(result, Storage(config.storage), slug)
+    _print_selection(result, store, slug)
 
 
 def _print_selection(result, storage: Storage, slug: str) -> None:
@@ -259,16 +264,15 @@ def _print_selection(result, storage: Storage, slug: str) -> None:
 def rollback(
     to: Annotated[int | None, typer.Option(help="Release number (default: the previous).")] = None,
     config_path: ConfigOption = None,
-    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    model: ModelOption = None,
     storage: ConfigStorageOption = None,
 ) -> None:
     """Point production at an earlier release (atomically)."""
     from modelship.pipeline.select.runner import rollback as run_rollback
 
-    config = load_config(config_path, storage=storage)
-    slug = _slug(config, model)
+    _, store, slug = _model_context(config_path, storage, model)
     try:
-        before, after = run_rollback(Storage(config.storage), slug, to)
+        before, after = run_rollback(store, slug, to)
     except (PipelineError, StorageError) as exc:
         fail(str(exc))
         return
@@ -278,7 +282,7 @@ def rollback(
 @app.command()
 def status(
     config_path: ConfigOption = None,
-    model: Annotated[str | None, typer.Option(help="Model slug under models/.")] = None,
+    model: ModelOption = None,
     storage: ConfigStorageOption = None,
 ) -> None:
     """Each pipeline step's state and timing, the releases and which one is production."""
@@ -287,9 +291,7 @@ def status(
     from modelship.pipeline.dag import read_status
     from modelship.pipeline.run import run_dir
 
-    config = load_config(config_path, storage=storage)
-    store = Storage(config.storage)
-    slug = _slug(config, model)
+    _, store, slug = _model_context(config_path, storage, model)
     state = read_status(run_dir(store, slug))
     if state is None:
         console.print(f"no pipeline run recorded for {slug} under {store.root}")

@@ -318,14 +318,15 @@ def run(
     ] = None,
     config_path: ConfigOption = None,
     serve_after: Annotated[
-        bool, typer.Option("--serve/--no-serve", help="Serve production when done.")
+        bool,
+        typer.Option("--serve/--no-serve", help="Then `modelship up`: gateway + replicas."),
     ] = True,
     storage: Annotated[
         Path | None,
         typer.Option("--storage", envvar=STORAGE_ENV, help="Storage root (overrides config)."),
     ] = None,
 ) -> None:
-    """acquire -> optimize -> select -> serve, memoized and resumable."""
+    """acquire -> optimize -> select -> serve (`modelship up`), memoized and resumable."""
     from modelship.pipeline.run import run_pipeline
 
     config = load_config(config_path, source=source, storage=storage)
@@ -356,31 +357,17 @@ def run(
     console.print(f"report: {production / 'report.md'}")
     if not serve_after:
         return
-    from modelship.server.launcher import serve as run_server
-    from modelship.storage import read_manifest
+    from modelship.gateway.cli import run_up
 
-    variant = read_manifest(production).extra.get("variant", "unknown")
-    import logging
-
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    run_server(
-        production,
-        host=config.serve.host,
-        port=config.serve.port,
-        served_model_name=config.serve.served_model_name or slug,
-        api_key=config.serve.api_key,
-        variant=variant,
-        grace_period_s=config.serve.grace_period_s,
-        engine_config=config.serve.engine.to_engine_config(),
-    )
+    run_up(config, store, slug)
 
 
 def _register_subcommands() -> None:
     from modelship.deploy.cli import deploy_app
+    from modelship.gateway.cli import register
 
     app.add_typer(deploy_app, name="deploy")
+    register(app)
 
 
 _register_subcommands()

@@ -12,7 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from modelship.autoscale.supervisor import SupervisorConfig
 from modelship.deploy.config import DeployConfig
+from modelship.gateway.config import GatewayConfig
 
 
 class ConfigError(ValueError):
@@ -144,6 +146,8 @@ class ModelshipConfig(Section):
     select: SelectConfig = Field(default_factory=SelectConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     retries: RetryConfig = Field(default_factory=RetryConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    autoscale: SupervisorConfig = Field(default_factory=SupervisorConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @classmethod

@@ -200,7 +200,10 @@ class OutlierDetector:
 class FailureKind(StrEnum):
     CONNECT = "connect"  # no connection to the replica: nothing was sent
     STATUS = "status"  # the replica answered with an error status
-    READ = "read"  # the connection broke while reading the response
+    # The replica closed the connection before any byte of its answer (it died mid-request):
+    # nothing reached the client, so another replica can answer instead.
+    DISCONNECT = "disconnect"
+    READ = "read"  # the connection broke while the response was streaming
     TIMEOUT = "timeout"
 
 
@@ -217,11 +220,12 @@ class Failure:
 class RetryPolicy:
     """When to retry a failed attempt on another replica, and how long to wait first.
 
-    Only failures that cannot have done work are retried: a refused connection, or a
-    retryable status (503: draining or overloaded) before any byte reached the client.
-    Timeouts and broken reads are not retried: the replica may have run the request, and
-    generation is too expensive to run twice. The delay is "full jitter": uniform in
-    [0, min(max_backoff_s, base_backoff_s * 2**(attempt - 1))].
+    Retried, and only before any byte reached the client: a refused connection (nothing was
+    sent), a retryable status (503: draining or overloaded), and a replica that dropped the
+    connection before answering (it crashed: the client must not see that). Timeouts and
+    reads broken mid-response are not retried: the replica is slow rather than gone, or
+    part of the answer is out, and generation is too expensive to run twice. The delay is
+    "full jitter": uniform in [0, min(max_backoff_s, base_backoff_s * 2**(attempt - 1))].
     """
 
     def __init__(
@@ -245,7 +249,7 @@ class RetryPolicy:
     def is_retryable(self, failure: Failure) -> bool:
         if failure.sent_to_client:
             return False
-        if failure.kind is FailureKind.CONNECT:
+        if failure.kind in (FailureKind.CONNECT, FailureKind.DISCONNECT):
             return True
         return (
             failure.kind is FailureKind.STATUS

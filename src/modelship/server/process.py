@@ -6,6 +6,7 @@ one, the fleet supervisor runs its replicas with it, tests start one per module.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -26,6 +27,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM (a drain) when the parent dies, even by kill -9,
+    so a crashed fleet supervisor leaves no orphan replicas holding ports and memory."""
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ReplicaProcess:
     """One `modelship serve MODEL_DIR` child; `args` are extra serve flags."""
 
@@ -36,6 +46,7 @@ class ReplicaProcess:
         log_path: Path,
         port: int | None = None,
         host: str = "127.0.0.1",
+        die_with_parent: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port or free_port(host)
@@ -47,11 +58,27 @@ class ReplicaProcess:
         command += ["--host", host, "--port", str(self.port), *args]
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_term_with_parent if die_with_parent else None,
+        )
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def has_exited(self) -> bool:
+        return self.process.poll() is not None
+
+    def kill(self) -> None:
+        """SIGKILL: no drain (a replica stuck past its grace period)."""
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def close_log(self) -> None:
+        self._log.close()
 
     def is_ready(self) -> bool:
         try:

@@ -1,0 +1,128 @@
+"""`modelship up`: the gateway, the supervisor and the replicas of one model, locally.
+
+The release plan lives on storage (the `production` link and `traffic.json`); the fleet
+reads it every `plan_interval_s` and points the supervisor's tracks and the gateway's
+canary weight at it. A canary the gateway's judge rolls back is ended on storage too, so
+`modelship release status` tells the same story as the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from starlette.applications import Starlette
+
+from modelship.autoscale.supervisor import ReleaseSpec, Supervisor
+from modelship.config import ModelshipConfig
+from modelship.gateway.app import create_gateway_app
+from modelship.gateway.canary import Track, Verdict
+from modelship.gateway.pool import EndpointPool
+from modelship.gateway.service import GatewayService
+from modelship.gateway.traffic import end_canary, read_traffic
+from modelship.pipeline.errors import PipelineError
+from modelship.server.process import ReplicaProcess
+from modelship.storage import Storage, read_manifest
+
+logger = logging.getLogger(__name__)
+
+
+class LocalFleet:
+    def __init__(
+        self, config: ModelshipConfig, storage: Storage, slug: str, plan_interval_s: float = 1.0
+    ) -> None:
+        if storage.production_release(slug) is None:
+            raise PipelineError(
+                f"{slug} has no production release under {storage.root}; "
+                "run `modelship run` (or `modelship select`) first"
+            )
+        self.config = config
+        self.storage = storage
+        self.slug = slug
+        self.plan_interval_s = plan_interval_s
+        self.served_model_name = config.serve.served_model_name or slug
+        self.log_dir = storage.model_dir(slug) / "fleet"
+        self.pool = EndpointPool(config.gateway.resilience)
+        self.service = GatewayService(
+            config.gateway,
+            self.pool,
+            api_key=config.serve.api_key,
+            upstream_api_key=config.serve.api_key,
+            fleet_snapshot=lambda: self.supervisor.snapshot(self.service),
+        )
+        self.service.on_canary_rollback = self._auto_rollback
+        self.supervisor = Supervisor(
+            config.autoscale, self.pool, self.service.metrics, self._launch
+        )
+        self._tasks: list[asyncio.Task] = []
+
+    def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
+        serve = self.config.serve
+        args = [
+            *serve.engine.cli_args(),
+            "--served-model-name", self.served_model_name,
+            "--variant", spec.variant,
+            "--grace-period", str(serve.grace_period_s),
+        ]  # fmt: skip
+        if serve.api_key:
+            args += ["--api-key", serve.api_key]
+        return ReplicaProcess(
+            spec.model_dir,
+            *args,
+            log_path=self.log_dir / f"{replica_id}.log",
+            host="127.0.0.1",
+            die_with_parent=True,
+        )
+
+    def release_spec(self, release: int) -> ReleaseSpec:
+        folder = self.storage.release_dir(self.slug, release)
+        variant = read_manifest(folder).extra.get("variant", "unknown")
+        return ReleaseSpec(release, folder, variant)
+
+    def sync_plan(self) -> None:
+        """Point the tracks and the canary weight at what storage says now."""
+        production = self.storage.production_release(self.slug)
+        if production is not None:
+            self.supervisor.set_target(Track.STABLE, self.release_spec(production))
+        canary = read_traffic(self.storage, self.slug).canary
+        if canary is None or canary.release == production:
+            self.supervisor.set_target(Track.CANARY, None)
+            self.service.set_canary_weight(0)
+        else:
+            self.supervisor.set_target(Track.CANARY, self.release_spec(canary.release))
+            self.service.set_canary_weight(canary.weight)
+
+    def _auto_rollback(self, verdict: Verdict) -> None:
+        logger.warning(
+            "canary auto rollback: %s (stable: %s; canary: %s)",
+            verdict.reason, verdict.stable.describe(), verdict.canary.describe(),
+        )  # fmt: skip
+        end_canary(self.storage, self.slug, verdict.reason, automatic=True)
+        self.supervisor.set_target(Track.CANARY, None)
+
+    async def _plan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.plan_interval_s)
+            try:
+                self.sync_plan()
+            except Exception:  # a half-edited plan must not stop the fleet
+                logger.exception("reading the release plan failed; keeping the current one")
+
+    async def _start(self) -> None:
+        self.sync_plan()
+        self._tasks = [
+            asyncio.create_task(self.supervisor.run()),
+            asyncio.create_task(self._plan_loop()),
+        ]
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.supervisor.shutdown()
+
+    def app(self) -> Starlette:
+        return create_gateway_app(self.service, on_startup=[self._start], on_shutdown=[self._stop])

@@ -1,0 +1,323 @@
+"""The local supervisor: replica processes started, made routable, drained, restarted.
+
+A control loop on the gateway's event loop. Each tick it (1) looks at every replica
+process: a starting one joins routing when its /ready answers 200 (time-to-capacity is
+recorded), a dead one leaves routing and is replaced after a backoff; (2) drains replicas
+of a release no longer wanted, once the wanted release has a ready replica; (3) asks the
+autoscaler policy how many stable replicas the load needs and starts or drains the
+difference. Draining means: out of routing at once, SIGTERM once the gateway has no
+request in flight there (the replica then drains itself), SIGKILL after `drain_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import httpx
+from pydantic import Field
+
+from modelship.autoscale.policy import AutoscalerConfig, AutoscalerPolicy
+from modelship.gateway.canary import Track
+from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
+from modelship.gateway.pool import EndpointPool
+from modelship.server.process import ReplicaProcess
+
+logger = logging.getLogger(__name__)
+
+
+class SupervisorConfig(AutoscalerConfig):
+    """The `autoscale:` section: the policy's settings plus how replicas are run."""
+
+    scale_down_window_s: float = Field(default=60.0, ge=0)
+    tick_s: float = Field(default=0.5, gt=0)
+    replica_start_timeout_s: float = Field(default=300.0, gt=0)
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    max_restart_backoff_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    canary_replicas: int = Field(default=1, ge=1)
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """What a track serves: a release folder and the variant it holds."""
+
+    release: int
+    model_dir: Path
+    variant: str
+
+
+class ReplicaState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+@dataclass(eq=False)
+class ManagedReplica:
+    replica_id: str
+    track: Track
+    spec: ReleaseSpec
+    process: ReplicaProcess
+    state: ReplicaState = ReplicaState.STARTING
+    drain_started_at: float | None = None
+    terminate_sent: bool = False
+
+
+Launcher = Callable[[ReleaseSpec, str], ReplicaProcess]
+
+
+@dataclass
+class _TrackState:
+    target: ReleaseSpec | None = None
+    desired: int = 0
+    num_crashes: int = 0  # consecutive, reset when a replica becomes ready
+    next_start_at: float = 0.0
+    time_to_ready_s: list[float] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        pool: EndpointPool,
+        metrics: GatewayMetrics | None,
+        launch: Launcher,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.launch = launch
+        self.clock = clock
+        self.policy = AutoscalerPolicy(config)
+        self.replicas: list[ManagedReplica] = []
+        self.tracks = {track: _TrackState() for track in Track}
+        self._num_started = 0
+        self._client: httpx.AsyncClient | None = None
+
+    # Targets -----------------------------------------------------------------------------
+    def set_target(self, track: Track, spec: ReleaseSpec | None) -> None:
+        """Serve `spec` on `track` (None: nothing). Replicas of the old release are drained
+        once the new one has a ready replica. When stable moves to the canary's release
+        (a promotion), the canary's replicas become stable ones: nothing restarts."""
+        state = self.tracks[track]
+        if state.target == spec:
+            return
+        logger.info("%s track: release %s -> %s", track, _release(state.target), _release(spec))
+        state.target = spec
+        state.num_crashes = 0
+        if track is Track.STABLE and spec is not None:
+            for replica in self.replicas:
+                if replica.track is Track.CANARY and replica.spec == spec:
+                    replica.track = Track.STABLE
+                    self.pool.retag(replica.replica_id, Track.STABLE)
+
+    def time_to_ready_s(self, track: Track = Track.STABLE) -> list[float]:
+        return list(self.tracks[track].time_to_ready_s)
+
+    def count(self, track: Track, *states: ReplicaState, current: bool = True) -> int:
+        target = self.tracks[track].target
+        return sum(
+            1
+            for r in self.replicas
+            if r.track is track and r.state in states and (not current or r.spec == target)
+        )
+
+    # Control loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        self._client = httpx.AsyncClient(timeout=1.0)
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except Exception:  # the loop must outlive any one bad tick
+                    logger.exception("supervisor tick failed")
+                await asyncio.sleep(self.config.tick_s)
+        finally:
+            await self._client.aclose()
+
+    async def tick(self) -> None:
+        now = self.clock()
+        await self._observe(now)
+        for track in Track:
+            self._retire_stale(track, now)
+        self._scale(Track.STABLE, self._stable_desired(now), now)
+        canary = self.tracks[Track.CANARY]
+        self._scale(Track.CANARY, self.config.canary_replicas if canary.target else 0, now)
+
+    async def _observe(self, now: float) -> None:
+        starting = [r for r in self.replicas if r.state is ReplicaState.STARTING]
+        ready = await asyncio.gather(*(self._is_ready(r) for r in starting))
+        for replica, is_ready in zip(starting, ready, strict=True):
+            if replica.process.has_exited():
+                self._crashed(replica, now)
+            elif is_ready:
+                self._became_ready(replica, now)
+            elif now - replica.process.started_at > self.config.replica_start_timeout_s:
+                logger.error("%s not ready after %.0fs", replica.replica_id, now)
+                replica.process.kill()
+                self._crashed(replica, now)
+        for replica in list(self.replicas):
+            if replica.state is ReplicaState.READY and replica.process.has_exited():
+                self._crashed(replica, now)
+            elif replica.state is ReplicaState.DRAINING:
+                self._continue_drain(replica, now)
+
+    async def _is_ready(self, replica: ManagedReplica) -> bool:
+        assert self._client is not None
+        try:
+            response = await self._client.get(f"{replica.process.url}/ready")
+            return response.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _became_ready(self, replica: ManagedReplica, now: float) -> None:
+        replica.state = ReplicaState.READY
+        seconds = now - replica.process.started_at
+        state = self.tracks[replica.track]
+        state.num_crashes = 0
+        state.time_to_ready_s.append(seconds)
+        spec = replica.spec
+        logger.info("%s ready in %.1fs (release %d)", replica.replica_id, seconds, spec.release)
+        if self.metrics is not None:
+            self.metrics.time_to_capacity.labels(str(spec.release), spec.variant).observe(seconds)
+        self.pool.add(
+            replica.replica_id, replica.process.url, replica.track, str(spec.release), spec.variant
+        )
+
+    def _crashed(self, replica: ManagedReplica, now: float) -> None:
+        code = replica.process.process.poll()
+        logger.error(
+            "%s exited with %s while %s; log tail:\n%s",
+            replica.replica_id, code, replica.state, replica.process.log_tail(10),
+        )  # fmt: skip
+        self.pool.remove(replica.replica_id)
+        replica.process.close_log()
+        self.replicas.remove(replica)
+        state = self.tracks[replica.track]
+        state.num_crashes += 1
+        backoff = self.config.restart_backoff_s * 2 ** (state.num_crashes - 1)
+        state.next_start_at = now + min(self.config.max_restart_backoff_s, backoff)
+        if self.metrics is not None:
+            self.metrics.replica_restarts.labels(str(replica.spec.release)).inc()
+
+    def _retire_stale(self, track: Track, now: float) -> None:
+        target = self.tracks[track].target
+        stale = [
+            r for r in self.replicas
+            if r.track is track and r.spec != target and r.state is not ReplicaState.DRAINING
+        ]  # fmt: skip
+        if not stale:
+            return
+        target_ready = self.count(track, ReplicaState.READY) > 0
+        for replica in stale:
+            # Keep serving the old release until the new one can take the traffic.
+            if target is None or target_ready or replica.state is ReplicaState.STARTING:
+                self.drain(replica, now)
+
+    def _stable_desired(self, now: float) -> int:
+        state = self.tracks[Track.STABLE]
+        if state.target is None:
+            state.desired = 0
+            return 0
+        decision = self.policy.decide(
+            now,
+            in_flight=self.pool.in_flight(Track.STABLE),
+            ready_replicas=self.count(Track.STABLE, ReplicaState.READY),
+            starting_replicas=self.count(Track.STABLE, ReplicaState.STARTING),
+        )
+        state.desired = decision.desired_replicas
+        return decision.desired_replicas
+
+    def _scale(self, track: Track, desired: int, now: float) -> None:
+        state = self.tracks[track]
+        state.desired = desired
+        current = self.count(track, ReplicaState.STARTING, ReplicaState.READY)
+        if desired > current and state.target is not None and now >= state.next_start_at:
+            for _ in range(desired - current):
+                self.start(track, state.target)
+            if self.metrics is not None and current > 0:
+                self.metrics.scale_events.labels(str(track), "up").inc(desired - current)
+        elif desired < current:
+            candidates = sorted(
+                (r for r in self.replicas
+                 if r.track is track and r.spec == state.target
+                 and r.state is not ReplicaState.DRAINING),
+                key=lambda r: (r.state is ReplicaState.READY, self._in_flight(r)),
+            )  # fmt: skip
+            for replica in candidates[: current - desired]:
+                self.drain(replica, now)
+            if self.metrics is not None:
+                self.metrics.scale_events.labels(str(track), "down").inc(current - desired)
+
+    # Actions -----------------------------------------------------------------------------
+    def start(self, track: Track, spec: ReleaseSpec) -> ManagedReplica:
+        self._num_started += 1
+        replica_id = f"replica-{self._num_started}"
+        process = self.launch(spec, replica_id)
+        replica = ManagedReplica(replica_id, track, spec, process)
+        self.replicas.append(replica)
+        logger.info("starting %s (%s, release %d) on %s", replica_id, track, spec.release,
+                    process.url)  # fmt: skip
+        return replica
+
+    def drain(self, replica: ManagedReplica, now: float) -> None:
+        """Out of routing now; SIGTERM when the gateway's requests there have ended."""
+        logger.info("draining %s (%s, release %d)", replica.replica_id, replica.track,
+                    replica.spec.release)  # fmt: skip
+        replica.state = ReplicaState.DRAINING
+        replica.drain_started_at = now
+        self.pool.drain(replica.replica_id)
+        self._continue_drain(replica, now)
+
+    def _continue_drain(self, replica: ManagedReplica, now: float) -> None:
+        assert replica.drain_started_at is not None
+        overdue = now - replica.drain_started_at > self.config.drain_timeout_s
+        if replica.process.has_exited():
+            self.pool.remove(replica.replica_id)
+            replica.process.close_log()
+            self.replicas.remove(replica)
+            logger.info("%s stopped", replica.replica_id)
+        elif not replica.terminate_sent and (self._in_flight(replica) == 0 or overdue):
+            replica.process.terminate()
+            replica.terminate_sent = True
+        elif overdue and now - replica.drain_started_at > 2 * self.config.drain_timeout_s:
+            replica.process.kill()
+
+    def _in_flight(self, replica: ManagedReplica) -> int:
+        upstream = self.pool.get(replica.replica_id)
+        return upstream.endpoint.in_flight if upstream is not None else 0
+
+    async def shutdown(self) -> None:
+        """Drain every replica and wait for all to exit (SIGKILL past the drain timeout)."""
+        now = self.clock()
+        for replica in list(self.replicas):
+            if replica.state is not ReplicaState.DRAINING:
+                self.drain(replica, now)
+        while self.replicas:
+            for replica in list(self.replicas):
+                self._continue_drain(replica, self.clock())
+            await asyncio.sleep(0.1)
+
+    def snapshot(self, service) -> FleetSnapshot:
+        replicas: dict[tuple[str, str, str, str], int] = {}
+        for r in self.replicas:
+            key = (str(r.track), str(r.spec.release), r.spec.variant, str(r.state))
+            replicas[key] = replicas.get(key, 0) + 1
+        return FleetSnapshot(
+            replicas=replicas,
+            breakers=service.breaker_states(),
+            held_by_priority=service.held_by_priority(),
+            desired_replicas={str(t): s.desired for t, s in self.tracks.items()},
+            canary_weight=service.canary_weight,
+        )
+
+
+def _release(spec: ReleaseSpec | None) -> str:
+    return "none" if spec is None else str(spec.release)

@@ -1,0 +1,98 @@
+"""The gateway's HTTP app (Starlette): the OpenAI routes, health, readiness and metrics.
+
+Routes only delegate to `GatewayService`. Background work the process needs (the
+supervisor, release-plan polling) is passed in as `Lifecycle` hooks and runs inside the
+app's lifespan, on the same event loop as the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from modelship.gateway.canary import Track
+from modelship.gateway.metrics import CONTENT_TYPE
+from modelship.gateway.request import GatewayError, unavailable
+from modelship.gateway.service import GatewayService
+
+Hook = Callable[[], Awaitable[None]]
+
+
+def create_gateway_app(
+    service: GatewayService,
+    on_startup: list[Hook] | None = None,
+    on_shutdown: list[Hook] | None = None,
+    health_checks: bool = True,
+) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await service.start(health_checks=health_checks)
+        for hook in on_startup or []:
+            await hook()
+        try:
+            yield
+        finally:
+            for hook in on_shutdown or []:
+                await hook()
+            await service.close()
+
+    async def completions(request: Request) -> Response:
+        return await service.handle(request)
+
+    async def models(request: Request) -> Response:
+        try:
+            service.authenticate(request)
+            return await _models_from_replica(service)
+        except GatewayError as error:
+            return error.response()
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(_: Request) -> Response:
+        if service.is_ready():
+            return JSONResponse({"status": "ready"})
+        status = "draining" if service.is_draining else "no replica ready"
+        return JSONResponse({"status": status}, status_code=503)
+
+    async def metrics(_: Request) -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def not_found(request: Request, _exc: Exception) -> Response:
+        return GatewayError(404, f"Unknown path {request.url.path}.", code="not_found").response()
+
+    routes = [
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    app.state.service = service
+    return app
+
+
+async def _models_from_replica(service: GatewayService) -> Response:
+    """The replicas serve one model under one name: ask a ready stable one."""
+    for endpoint in service.pool.endpoints(Track.STABLE):
+        if not endpoint.is_routable:
+            continue
+        try:
+            response = await service.client.get(
+                f"{endpoint.url}/v1/models",
+                headers=service.upstream_headers,
+                timeout=service.config.resilience.connect_timeout_s * 5,
+            )
+        except httpx.HTTPError:
+            continue
+        return Response(response.content, status_code=response.status_code,
+                        media_type="application/json")  # fmt: skip
+    raise unavailable("no replica is ready to serve; retry shortly")

@@ -1,0 +1,90 @@
+"""The `gateway:` section of pipeline.yaml: tenants, routing, resilience, canary judging.
+
+Errors never echo input (`hide_input_in_errors`): a tenant's key pasted where its sha256
+belongs must not reach a terminal or a log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from modelship.gateway.admission import AdmissionConfig
+from modelship.gateway.routing import create_router, supported_routers
+from modelship.gateway.tenants import TenantConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+class RoutingConfig(_Section):
+    policy: str = "prefix_affinity"
+    # Keyword options of the policy, e.g. {load_factor: 1.25, block_chars: 64}.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _buildable(self) -> RoutingConfig:
+        if self.policy not in supported_routers():
+            raise ValueError(
+                f"unknown policy {self.policy!r}; supported: {', '.join(supported_routers())}"
+            )
+        create_router(self.policy, **self.options)  # raises ValueError naming the option
+        return self
+
+
+class ResilienceConfig(_Section):
+    # Retries to another replica: connect errors, 503, and a replica that broke the
+    # connection before any byte reached the client.
+    max_attempts: int = Field(default=3, ge=1)
+    base_backoff_s: float = Field(default=0.02, ge=0)
+    max_backoff_s: float = Field(default=0.5, ge=0)
+    # Circuit breaker per replica.
+    breaker_failure_threshold: int = Field(default=3, ge=1)
+    breaker_cool_down_s: float = Field(default=5.0, ge=0)
+    # Passive outlier detection (error rate over a window).
+    outlier_window_s: float = Field(default=30.0, gt=0)
+    outlier_min_requests: int = Field(default=10, ge=1)
+    outlier_max_error_rate: float = Field(default=0.5, gt=0, le=1)
+    outlier_ejection_s: float = Field(default=30.0, ge=0)
+    # Timeouts: connecting, the first byte of a response, and the whole request.
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    # Active checks: /ready of every replica, and its /metrics for load.
+    health_check_interval_s: float = Field(default=1.0, gt=0)
+    metrics_scrape_interval_s: float = Field(default=2.0, gt=0)
+
+
+class CanaryJudgeConfig(_Section):
+    """When a canary is rolled back on its own: compared with stable over `window_s`."""
+
+    auto_rollback: bool = True
+    window_s: float = Field(default=120.0, gt=0)
+    min_requests: int = Field(default=20, ge=1)  # per track, before judging at all
+    # Rolled back when canary error rate > stable error rate + margin ...
+    max_error_rate_margin: float = Field(default=0.05, ge=0, le=1)
+    # ... or canary TTFT p95 > stable TTFT p95 x ratio.
+    max_ttft_p95_ratio: float = Field(default=1.5, ge=1)
+
+
+class GatewayConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    # No tenants: the gateway is open (or guarded by serve.api_key as one tenant).
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
+    canary: CanaryJudgeConfig = Field(default_factory=CanaryJudgeConfig)
+    # Output length assumed for a request before any has finished (token-aware routing).
+    initial_output_tokens: int = Field(default=128, ge=0)
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique(cls, tenants: list[TenantConfig]) -> list[TenantConfig]:
+        from modelship.gateway.tenants import TenantRegistry
+
+        TenantRegistry(tenants)  # names and key digests unique; the error names the tenant
+        return tenants

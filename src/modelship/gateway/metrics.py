@@ -1,0 +1,170 @@
+"""The gateway's Prometheus metrics, `modelship_gateway_*`.
+
+Request series carry the tenant, the status, and the release and variant that answered
+(`release="none"` when no replica did: refused at the door, or no replica left). Fleet
+gauges (replicas, breakers, queue) are read from live state at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "modelship_gateway_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0,
+)  # fmt: skip
+_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """Live fleet state for the scrape: replicas per (track, release, variant, state),
+    breaker state per endpoint, requests held by priority, desired replicas per track."""
+
+    replicas: dict[tuple[str, str, str, str], int]
+    breakers: dict[tuple[str, str], str]  # (endpoint_id, release) -> state
+    held_by_priority: dict[str, int]
+    desired_replicas: dict[str, int]
+    canary_weight: int
+
+
+class _FleetCollector(Collector):
+    def __init__(self, snapshot: Callable[[], FleetSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator:
+        snap = self._snapshot()
+        replicas = GaugeMetricFamily(
+            PREFIX + "replicas",
+            "Replicas by track, release, variant and state (starting, ready, draining).",
+            labels=["track", "release", "variant", "state"],
+        )
+        for (track, release, variant, state), count in sorted(snap.replicas.items()):
+            replicas.add_metric([track, release, variant, state], count)
+        yield replicas
+        desired = GaugeMetricFamily(
+            PREFIX + "replicas_desired", "Replicas the autoscaler wants.", labels=["track"]
+        )
+        for track, count in sorted(snap.desired_replicas.items()):
+            desired.add_metric([track], count)
+        yield desired
+        breakers = GaugeMetricFamily(
+            PREFIX + "breaker_state",
+            "1 for the state each replica's circuit breaker is in.",
+            labels=["endpoint", "release", "state"],
+        )
+        for (endpoint_id, release), state in sorted(snap.breakers.items()):
+            for name in ("closed", "open", "half_open"):
+                breakers.add_metric([endpoint_id, release, name], 1.0 if state == name else 0.0)
+        yield breakers
+        queue = GaugeMetricFamily(
+            PREFIX + "queue_length",
+            "Requests held by the gateway (waiting or in flight), by priority.",
+            labels=["priority"],
+        )
+        for priority, count in sorted(snap.held_by_priority.items()):
+            queue.add_metric([priority], count)
+        yield queue
+        weight = GaugeMetricFamily(PREFIX + "canary_weight", "Percent of traffic to the canary.")
+        weight.add_metric([], snap.canary_weight)
+        yield weight
+
+
+class GatewayMetrics:
+    """Counters and histograms recorded by the request path; gauges from `snapshot`."""
+
+    def __init__(self, snapshot: Callable[[], FleetSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_FleetCollector(snapshot))
+        r = self.registry
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Requests by tenant, final status, and the release/variant that answered.",
+            ["tenant", "status", "release", "variant"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            PREFIX + "rejections",
+            "Requests refused before routing, by tenant and reason.",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            PREFIX + "tokens",
+            "Tokens charged to tenants (input estimated, output counted).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            PREFIX + "routing_decisions",
+            "Routing decisions by policy and reason (affinity hit, load bound, fallback...).",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            PREFIX + "retries",
+            "Attempts retried on another replica, by failure kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            PREFIX + "upstream_failures",
+            "Failed attempts at a replica, by release and failure kind.",
+            ["release", "variant", "kind"],
+            registry=r,
+        )
+        self.breaker_opened = Counter(
+            PREFIX + "breaker_opened",
+            "Times a replica's circuit breaker opened.",
+            ["endpoint", "release"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_byte_seconds",
+            "From the gateway receiving the request to the replica's first response byte.",
+            ["release", "variant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            PREFIX + "request_duration_seconds",
+            "Whole request as the gateway saw it.",
+            ["release", "variant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_capacity = Histogram(
+            PREFIX + "replica_time_to_ready_seconds",
+            "From starting a replica process to its /ready answering 200.",
+            ["release", "variant"],
+            buckets=_START_BUCKETS,
+            registry=r,
+        )
+        self.replica_restarts = Counter(
+            PREFIX + "replica_restarts",
+            "Replicas restarted after crashing.",
+            ["release"],
+            registry=r,
+        )
+        self.scale_events = Counter(
+            PREFIX + "scale_events",
+            "Replicas started or drained by the autoscaler.",
+            ["track", "direction"],
+            registry=r,
+        )
+        self.canary_rollbacks = Counter(
+            PREFIX + "canary_rollbacks",
+            "Canaries rolled back automatically.",
+            ["release"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

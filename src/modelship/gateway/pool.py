@@ -1,0 +1,210 @@
+"""The replicas the gateway can send to, their health, and the active checks that keep it.
+
+An `Upstream` is one replica as the request path sees it: the routing `Endpoint` (load),
+its track and release, its circuit breaker and its last health check. The pool decides
+routability in one place: healthy (last /ready was 200), not draining, breaker letting
+requests through, not ejected by the outlier detector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelship.gateway.canary import Track
+from modelship.gateway.config import ResilienceConfig
+from modelship.gateway.endpoint import Endpoint
+from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDetector
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Upstream:
+    endpoint: Endpoint
+    track: Track
+    variant: str
+    breaker: CircuitBreaker
+    is_healthy: bool = True
+    is_draining: bool = False
+
+    @property
+    def endpoint_id(self) -> str:
+        return self.endpoint.endpoint_id
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def release(self) -> str:
+        return self.endpoint.release or "unknown"
+
+
+class EndpointPool:
+    """Every known replica, by endpoint id."""
+
+    def __init__(self, config: ResilienceConfig) -> None:
+        self.config = config
+        self.outliers = OutlierDetector(
+            window_s=config.outlier_window_s,
+            bucket_s=min(1.0, config.outlier_window_s),
+            min_requests=config.outlier_min_requests,
+            max_error_rate=config.outlier_max_error_rate,
+            ejection_s=config.outlier_ejection_s,
+        )
+        self._upstreams: dict[str, Upstream] = {}
+
+    def __len__(self) -> int:
+        return len(self._upstreams)
+
+    def __iter__(self):
+        return iter(list(self._upstreams.values()))
+
+    def get(self, endpoint_id: str) -> Upstream | None:
+        return self._upstreams.get(endpoint_id)
+
+    def add(
+        self,
+        endpoint_id: str,
+        url: str,
+        track: Track,
+        release: str,
+        variant: str = "unknown",
+        is_healthy: bool = True,
+    ) -> Upstream:
+        """Start routing to a replica (the supervisor calls this once /ready is 200)."""
+        breaker = CircuitBreaker(
+            failure_threshold=self.config.breaker_failure_threshold,
+            cool_down_s=self.config.breaker_cool_down_s,
+        )
+        endpoint = Endpoint(endpoint_id=endpoint_id, url=url.rstrip("/"), release=release)
+        upstream = Upstream(endpoint, track, variant, breaker, is_healthy=is_healthy)
+        self._upstreams[endpoint_id] = upstream
+        self.outliers.set_endpoints(self._upstreams)
+        self.refresh(upstream)
+        logger.info("routing to %s (%s, release %s) at %s", endpoint_id, track, release, url)
+        return upstream
+
+    def remove(self, endpoint_id: str) -> None:
+        if self._upstreams.pop(endpoint_id, None) is not None:
+            self.outliers.set_endpoints(self._upstreams)
+            logger.info("no longer routing to %s", endpoint_id)
+
+    def drain(self, endpoint_id: str) -> None:
+        """No new requests; the ones in flight finish."""
+        upstream = self._upstreams.get(endpoint_id)
+        if upstream is not None:
+            upstream.is_draining = True
+            self.refresh(upstream)
+
+    def retag(self, endpoint_id: str, track: Track) -> None:
+        """Move a replica to another track (a promoted canary's replicas become stable)."""
+        upstream = self._upstreams.get(endpoint_id)
+        if upstream is not None:
+            upstream.track = track
+
+    def refresh(self, upstream: Upstream) -> None:
+        upstream.endpoint.is_routable = (
+            upstream.is_healthy
+            and not upstream.is_draining
+            and upstream.breaker.can_send()
+            and not self.outliers.is_ejected(upstream.endpoint_id)
+        )
+
+    def endpoints(self, track: Track) -> list[Endpoint]:
+        """The track's endpoints with routability as of now (routers skip the others)."""
+        result = []
+        for upstream in self._upstreams.values():
+            if upstream.track is track:
+                self.refresh(upstream)
+                result.append(upstream.endpoint)
+        return result
+
+    def has_routable(self, track: Track) -> bool:
+        return any(endpoint.is_routable for endpoint in self.endpoints(track))
+
+    def in_flight(self, track: Track) -> int:
+        return sum(u.endpoint.in_flight for u in self._upstreams.values() if u.track is track)
+
+    def record_result(self, upstream: Upstream, ok: bool) -> bool:
+        """Feed breaker and outlier detector; returns True when this opened the breaker."""
+        was_open = upstream.breaker.state is BreakerState.OPEN
+        if ok:
+            upstream.breaker.record_success()
+        else:
+            upstream.breaker.record_failure()
+        self.outliers.record_result(upstream.endpoint_id, ok)
+        self.refresh(upstream)
+        return not was_open and upstream.breaker.state is BreakerState.OPEN
+
+
+class HealthChecker:
+    """Active checks: /ready of every replica each `health_check_interval_s`, and its
+    /metrics each `metrics_scrape_interval_s` for the load other gateways put on it."""
+
+    def __init__(self, pool: EndpointPool, client: httpx.AsyncClient) -> None:
+        self.pool = pool
+        self.client = client
+
+    async def run(self) -> None:
+        config = self.pool.config
+        interval = config.health_check_interval_s
+        scrape_every = max(1, round(config.metrics_scrape_interval_s / interval))
+        tick = 0
+        while True:
+            scrape = tick % scrape_every == 0
+            await asyncio.gather(*(self.check(u, scrape) for u in self.pool))
+            tick += 1
+            await asyncio.sleep(interval)
+
+    async def check(self, upstream: Upstream, scrape: bool) -> None:
+        timeout = self.pool.config.connect_timeout_s
+        try:
+            response = await self.client.get(f"{upstream.url}/ready", timeout=timeout)
+            healthy = response.status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy != upstream.is_healthy:
+            logger.info("%s is %s", upstream.endpoint_id, "ready" if healthy else "not ready")
+        upstream.is_healthy = healthy
+        self.pool.refresh(upstream)
+        if healthy and scrape:
+            await self.scrape(upstream)
+
+    async def scrape(self, upstream: Upstream) -> None:
+        try:
+            response = await self.client.get(
+                f"{upstream.url}/metrics", timeout=self.pool.config.connect_timeout_s
+            )
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return
+        running, waiting = parse_load(response.text)
+        upstream.endpoint.num_requests_running = running
+        upstream.endpoint.num_requests_waiting = waiting
+
+
+def parse_load(text: str) -> tuple[int | None, int | None]:
+    """(running, waiting) from a replica's /metrics (ours, or vLLM's names)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.split(":", 1)[-1]
+        if name in ("num_requests_running", "num_requests_waiting"):
+            values[name] = sum(sample.value for sample in family.samples)
+    running, waiting = values.get("num_requests_running"), values.get("num_requests_waiting")
+    return (
+        None if running is None else int(running),
+        None if waiting is None else int(waiting),
+    )
+
+
+def static_upstreams(pool: EndpointPool, urls: Iterable[str], track: Track, release: str) -> None:
+    """Endpoints given by address (Kubernetes Services): unhealthy until the first check."""
+    for i, url in enumerate(urls):
+        pool.add(f"{track}-{i}", url, track, release, is_healthy=False)

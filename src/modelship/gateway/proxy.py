@@ -1,0 +1,148 @@
+"""Sending one request to replicas: attempts, retries before the first byte, streaming.
+
+An attempt is one replica tried once. An attempt that fails before any byte reached the
+client (refused connection, 503, a replica that died before answering) is retried on the
+next candidate, after a jittered backoff, up to `max_attempts`. Once the first byte is
+out, the response is the client's: a stream that breaks ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from modelship.gateway.pool import Upstream
+from modelship.gateway.request import GatewayError
+from modelship.gateway.resilience import Failure, FailureKind
+
+# Response headers passed back to the client (hop-by-hop and length headers are not).
+_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
+
+
+@dataclass
+class Attempt:
+    """The outcome of sending to one replica. Either `failure` is set (nothing reached the
+    client), or `response` is the replica's answer with `first_chunk` read (streams)."""
+
+    upstream: Upstream
+    failure: Failure | None = None
+    response: httpx.Response | None = None
+    first_chunk: bytes = b""
+    chunks: AsyncIterator[bytes] | None = None  # the rest of a stream, after first_chunk
+    body: bytes = b""
+    ttft_s: float | None = None
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code if self.response is not None else 502
+
+    def passed_headers(self) -> dict[str, str]:
+        assert self.response is not None
+        return {k: v for k in _PASSED_HEADERS if (v := self.response.headers.get(k))}
+
+
+def classify(exc: httpx.HTTPError, got_status: bool) -> FailureKind:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return FailureKind.CONNECT
+    if isinstance(exc, httpx.TimeoutException):
+        return FailureKind.TIMEOUT
+    return FailureKind.READ if got_status else FailureKind.DISCONNECT
+
+
+async def send_attempt(
+    client: httpx.AsyncClient,
+    upstream: Upstream,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    stream: bool,
+    first_byte_timeout_s: float,
+    connect_timeout_s: float,
+    started_at: float,
+) -> Attempt:
+    """POST to one replica. A stream's status and first chunk are read before returning,
+    so a replica that fails before its first token is still a retryable failure."""
+    timeout = httpx.Timeout(first_byte_timeout_s, connect=connect_timeout_s)
+    request = client.build_request(
+        "POST", upstream.url + path, content=content, headers=headers, timeout=timeout
+    )
+    attempt = Attempt(upstream)
+    response = None
+    try:
+        response = await client.send(request, stream=stream)
+        attempt.response = response
+        if response.status_code == 503:
+            attempt.body = await response.aread()  # the client's answer if no retry is left
+            attempt.failure = Failure(FailureKind.STATUS, 503)
+            return attempt
+        if stream:
+            if response.status_code == 200:
+                attempt.chunks = response.aiter_raw()
+                attempt.first_chunk = await anext(attempt.chunks, b"")
+            else:
+                attempt.body = await response.aread()
+        else:
+            attempt.body = response.content
+        attempt.ttft_s = time.perf_counter() - started_at
+        if response.status_code >= 500:
+            attempt.failure = Failure(FailureKind.STATUS, response.status_code)
+    except httpx.HTTPError as exc:
+        attempt.failure = Failure(classify(exc, got_status=False))
+        if response is not None:
+            await response.aclose()
+        attempt.response = None
+    return attempt
+
+
+def count_events(chunk: bytes) -> int:
+    """SSE data events in a chunk, `[DONE]` excluded: our replicas send one per token
+    (or per detokenized piece), which is what the gateway charges as output."""
+    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+
+
+def error_event(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": None}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+async def pump(
+    attempt: Attempt,
+    deadline: float,
+    on_end: Callable[[bool, int], None],
+) -> AsyncIterator[bytes]:
+    """Yield a streaming attempt's bytes to the client; `on_end(ok, num_events)` runs once
+    however the stream ends (finished, replica failed, client gone)."""
+    assert attempt.response is not None and attempt.chunks is not None
+    response = attempt.response
+    num_events = count_events(attempt.first_chunk)
+    ok = False
+    try:
+        yield attempt.first_chunk
+        async with asyncio.timeout_at(deadline):
+            async for chunk in attempt.chunks:
+                num_events += count_events(chunk)
+                yield chunk
+        ok = True
+    except (httpx.HTTPError, TimeoutError) as exc:
+        what = "timed out" if isinstance(exc, TimeoutError | httpx.TimeoutException) else "failed"
+        yield error_event(f"the replica {what} during the stream; the response is incomplete")
+    finally:
+        await response.aclose()
+        on_end(ok, num_events)
+
+
+def raise_for_final(attempt: Attempt) -> None:
+    """Turn a failure that cannot be retried any more into the client's error."""
+    failure = attempt.failure
+    if failure is None or attempt.response is not None:
+        return
+    if failure.kind is FailureKind.TIMEOUT:
+        raise GatewayError(504, "The model did not answer in time.", "timeout", "timeout")
+    raise GatewayError(
+        502, "No replica could answer the request.", "upstream_error", "upstream_unavailable"
+    )

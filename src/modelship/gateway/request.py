@@ -1,0 +1,127 @@
+"""What the gateway reads from a client request, and the errors it answers itself.
+
+The gateway parses only what it needs to authenticate, limit and route (model, prompt
+size, max_tokens, stream, session keys); the replica validates the rest and its 400s pass
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from modelship.gateway.admission import retry_after_header
+from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
+
+
+@dataclass
+class GatewayError(Exception):
+    """An error the gateway answers itself, as an OpenAI error body."""
+
+    status_code: int
+    message: str
+    error_type: str = "invalid_request_error"
+    code: str | None = None
+    retry_after_s: float | None = None
+
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": None,
+                "code": self.code,
+            }
+        }
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["retry-after"] = retry_after_header(self.retry_after_s)
+        if request_id:
+            headers["x-request-id"] = request_id
+        return JSONResponse(body, status_code=self.status_code, headers=headers)
+
+
+def unauthorized() -> GatewayError:
+    message = "Incorrect or missing API key."
+    return GatewayError(401, message, "authentication_error", "invalid_api_key")
+
+
+def unavailable(message: str, retry_after_s: float = 1.0) -> GatewayError:
+    return GatewayError(503, message, "service_unavailable", "service_unavailable", retry_after_s)
+
+
+@dataclass
+class ParsedRequest:
+    """One chat or completion request as the gateway sees it."""
+
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    max_tokens: int | None
+    input_tokens: int  # estimated from characters: the gateway does not tokenize
+    prefix_text: str
+    user: str | None
+    session_id: str | None
+
+    def routing_request(self, estimated_output_tokens: int) -> RoutingRequest:
+        return RoutingRequest(
+            prompt_tokens=self.input_tokens,
+            max_tokens=self.max_tokens,
+            estimated_output_tokens=estimated_output_tokens,
+            user=self.user,
+            session_id=self.session_id,
+            prefix_text=self.prefix_text,
+        )
+
+    @property
+    def sticky_key(self) -> str | None:
+        """What keeps a conversation on one side of a canary split: the session, else the
+        conversation's first message (the same for all its turns)."""
+        if self.session_id:
+            return f"session:{self.session_id}"
+        if self.user:
+            return f"user:{self.user}"
+        return self.prefix_text[:256] or None
+
+
+def parse_request(raw: bytes, path: str, session_id: str | None) -> ParsedRequest:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GatewayError(400, "We could not parse the JSON body of your request.") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "model: a model name is required.")
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise GatewayError(400, "messages: a list of message objects is required.")
+        prefix_text = chat_prefix_text(messages)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            prefix_text = "".join(p if isinstance(p, str) else " " * 4 * len(p) for p in prompt)
+        elif isinstance(prompt, str):
+            prefix_text = prompt
+        else:
+            raise GatewayError(400, "prompt: a string or a list is required.")
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise GatewayError(400, "max_tokens: must be a positive integer.")
+    user = body.get("user")
+    return ParsedRequest(
+        body=body,
+        model=model,
+        stream=bool(body.get("stream")),
+        max_tokens=max_tokens,
+        input_tokens=estimate_num_tokens(prefix_text),
+        prefix_text=prefix_text,
+        user=user if isinstance(user, str) else None,
+        session_id=session_id,
+    )

@@ -1,0 +1,394 @@
+"""The gateway's request path: authenticate, limit, admit, split, route, forward, account.
+
+One `GatewayService` per gateway process. Every request that gets past authentication
+holds a tenant concurrency slot and an admission slot until its response ends, however it
+ends; `_Hold.end` gives both back exactly once and records the request's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from modelship.gateway.admission import AdmissionQueue
+from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
+from modelship.gateway.config import GatewayConfig
+from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
+from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
+from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
+from modelship.gateway.proxy import Attempt, pump, raise_for_final, send_attempt
+from modelship.gateway.request import (
+    GatewayError,
+    ParsedRequest,
+    parse_request,
+    unauthorized,
+    unavailable,
+)
+from modelship.gateway.resilience import RetryPolicy
+from modelship.gateway.routing import create_router
+from modelship.gateway.tenants import (
+    Tenant,
+    TenantConfig,
+    TenantLimiter,
+    TenantRegistry,
+    hash_api_key,
+)
+
+logger = logging.getLogger(__name__)
+
+_ANONYMOUS = Tenant("anonymous", TenantConfig(name="anonymous", api_key_sha256=["0" * 64]))
+_REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def build_registry(config: GatewayConfig, api_key: str | None) -> TenantRegistry | None:
+    """The configured tenants; else one tenant for `api_key`; else None (open access)."""
+    if config.tenants:
+        return TenantRegistry(config.tenants)
+    if api_key:
+        return TenantRegistry([TenantConfig(name="default", api_key_sha256=hash_api_key(api_key))])
+    return None
+
+
+class GatewayService:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        pool: EndpointPool,
+        *,
+        api_key: str | None = None,
+        upstream_api_key: str | None = None,
+        canary_weight: int = 0,
+        fleet_snapshot: Callable[[], FleetSnapshot] | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.registry = build_registry(config, api_key)
+        self.limiter = TenantLimiter()
+        self.admission = AdmissionQueue(config.admission)
+        resilience = config.resilience
+        self.retry_policy = RetryPolicy(
+            max_attempts=resilience.max_attempts,
+            base_backoff_s=resilience.base_backoff_s,
+            max_backoff_s=resilience.max_backoff_s,
+            rng=random.Random(),
+        )
+        self.policy = config.routing.policy
+        self.routers = {
+            track: create_router(self.policy, **config.routing.options) for track in Track
+        }
+        self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
+        self.judge = CanaryJudge(config.canary)
+        self.canary_weight = canary_weight
+        # Called once when the judge rolls the canary back (the fleet ends it on storage).
+        self.on_canary_rollback: Callable[[Verdict], None] | None = None
+        self.upstream_headers = {"content-type": "application/json"}
+        if upstream_api_key:
+            self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
+        self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
+        self.is_draining = False
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # Lifecycle ---------------------------------------------------------------------------
+    async def start(self, health_checks: bool = True) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        self.client = httpx.AsyncClient(limits=limits, timeout=None)
+        if health_checks:
+            self._health_task = asyncio.create_task(HealthChecker(self.pool, self.client).run())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.client is not None:
+            await self.client.aclose()
+
+    @property
+    def num_held(self) -> int:
+        return self.admission.num_held
+
+    def is_ready(self) -> bool:
+        return not self.is_draining and self.pool.has_routable(Track.STABLE)
+
+    def snapshot(self) -> FleetSnapshot:
+        """Fleet gauges from the pool alone (static endpoints; `up` passes a richer one)."""
+        replicas: dict[tuple[str, str, str, str], int] = {}
+        for upstream in self.pool:
+            state = "draining" if upstream.is_draining else "ready"
+            if not upstream.is_healthy:
+                state = "unhealthy"
+            key = (str(upstream.track), upstream.release, upstream.variant, state)
+            replicas[key] = replicas.get(key, 0) + 1
+        return FleetSnapshot(
+            replicas=replicas,
+            breakers=self.breaker_states(),
+            held_by_priority=self.held_by_priority(),
+            desired_replicas={},
+            canary_weight=self.canary_weight,
+        )
+
+    def breaker_states(self) -> dict[tuple[str, str], str]:
+        return {(u.endpoint_id, u.release): str(u.breaker.state) for u in self.pool}
+
+    def held_by_priority(self) -> dict[str, int]:
+        held = self.admission.num_held_by_priority()
+        return {priority.name.lower(): count for priority, count in held.items()}
+
+    # Request path ------------------------------------------------------------------------
+    def authenticate(self, request: Request) -> Tenant:
+        if self.registry is None:
+            return _ANONYMOUS
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        tenant = self.registry.authenticate(key) if key else None
+        if tenant is None:
+            raise unauthorized()
+        return tenant
+
+    async def handle(self, request: Request) -> Response:
+        """POST /v1/chat/completions and /v1/completions."""
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        tenant_name = "unknown"
+        try:
+            tenant = self.authenticate(request)
+            tenant_name = tenant.name
+            if self.is_draining:
+                raise unavailable("the gateway is shutting down; retry shortly")
+            raw = await request.body()
+            parsed = parse_request(raw, request.url.path, request.headers.get("x-session-id"))
+            hold = self._admit(tenant, parsed)
+        except GatewayError as error:
+            self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
+            return error.response(request_id)
+        try:
+            return await self._forward(request.url.path, parsed, hold, request_id)
+        except GatewayError as error:
+            hold.end(error.status_code, None, 0)
+            return error.response(request_id)
+        except BaseException:
+            hold.end(500, None, 0)
+            raise
+
+    def _admit(self, tenant: Tenant, parsed: ParsedRequest) -> _Hold:
+        now = time.monotonic()
+        limit = self.limiter.admit(
+            tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now
+        )
+        if not limit.ok:
+            reason = str(limit.reason)
+            self.metrics.rejections.labels(tenant.name, reason).inc()
+            raise GatewayError(
+                limit.status_code,
+                limit.message,
+                _REFUSAL_TYPES.get(limit.status_code, "invalid_request_error"),
+                reason,
+                limit.retry_after_s if limit.status_code == 429 else None,
+            )
+        admitted = self.admission.try_admit(tenant.priority)
+        if not admitted.ok:
+            self.limiter.release(tenant.name)
+            self.metrics.rejections.labels(tenant.name, admitted.reason or "queue_full").inc()
+            raise unavailable(admitted.message, admitted.retry_after_s or 1.0)
+        if limit.max_tokens is not None and parsed.max_tokens is None:
+            parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
+        parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
+        self.metrics.tokens.labels(tenant.name, "input").inc(parsed.input_tokens)
+        return _Hold(self, tenant, time.perf_counter())
+
+    def _pick_track(self, parsed: ParsedRequest, request_id: str) -> Track:
+        if self.canary_weight <= 0 or not self.pool.has_routable(Track.CANARY):
+            return Track.STABLE
+        key = parsed.sticky_key or request_id
+        return Track.CANARY if in_canary(key, self.canary_weight) else Track.STABLE
+
+    def _candidates(self, track: Track, routing: RoutingRequest) -> list[Upstream]:
+        try:
+            decision = self.routers[track].choose(routing, self.pool.endpoints(track))
+        except NoEndpointError:
+            if track is Track.CANARY:
+                return self._candidates(Track.STABLE, routing)
+            raise unavailable("no replica is ready to serve; retry shortly") from None
+        self.metrics.routing_decisions.labels(self.policy, str(decision.reason)).inc()
+        chosen = [decision.endpoint, *decision.fallbacks]
+        return [u for e in chosen if (u := self.pool.get(e.endpoint_id)) is not None]
+
+    async def _forward(
+        self, path: str, parsed: ParsedRequest, hold: _Hold, request_id: str
+    ) -> Response:
+        resilience = self.config.resilience
+        track = self._pick_track(parsed, request_id)
+        estimate = self.estimator.estimate(parsed.max_tokens)
+        routing = parsed.routing_request(estimate)
+        candidates = self._candidates(track, routing)
+        content = json.dumps(parsed.body).encode()
+        headers = {**self.upstream_headers, "x-request-id": request_id}
+        deadline = asyncio.get_running_loop().time() + resilience.request_timeout_s
+        attempt: Attempt | None = None
+        num_attempts = 0
+        try:
+            async with asyncio.timeout_at(deadline):
+                for upstream in candidates:
+                    if num_attempts >= self.retry_policy.max_attempts:
+                        break
+                    if not upstream.breaker.allow_request():
+                        continue
+                    if num_attempts:
+                        await asyncio.sleep(self.retry_policy.backoff_s(num_attempts))
+                    num_attempts += 1
+                    attempt = await self._attempt(
+                        upstream, path, content, headers, parsed, hold, routing.num_tokens
+                    )
+                    if attempt.failure is None or not self.retry_policy.should_retry(
+                        attempt.failure, num_attempts
+                    ):
+                        break
+                    self.metrics.retries.labels(str(attempt.failure.kind)).inc()
+        except TimeoutError:
+            raise GatewayError(
+                504, "The model did not answer in time.", "timeout", "timeout"
+            ) from None
+        if attempt is None:
+            raise unavailable("every replica's circuit breaker is open; retry shortly")
+        raise_for_final(attempt)
+        hold.upstream = attempt.upstream
+        if parsed.stream and attempt.status_code == 200:
+            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline)
+        attempt.upstream.endpoint.remove_request(routing.num_tokens)
+        num_output = _usage_completion_tokens(attempt.body) if attempt.status_code == 200 else 0
+        if attempt.status_code == 200:
+            self.estimator.observe(num_output)
+        hold.end(attempt.status_code, attempt.ttft_s, num_output)
+        headers = _response_headers(attempt, request_id)
+        return Response(attempt.body, status_code=attempt.status_code, headers=headers)
+
+    async def _attempt(
+        self,
+        upstream: Upstream,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        parsed: ParsedRequest,
+        hold: _Hold,
+        num_tokens: int,
+    ) -> Attempt:
+        resilience = self.config.resilience
+        upstream.endpoint.add_request(num_tokens)
+        try:
+            attempt = await send_attempt(
+                self.client,
+                upstream,
+                path,
+                content,
+                headers,
+                parsed.stream,
+                resilience.first_byte_timeout_s,
+                resilience.connect_timeout_s,
+                hold.started_at,
+            )
+        except BaseException:
+            upstream.endpoint.remove_request(num_tokens)
+            raise
+        if attempt.failure is not None:
+            upstream.endpoint.remove_request(num_tokens)
+            self._record(upstream, ok=False, ttft_s=None, kind=str(attempt.failure.kind))
+        elif not (parsed.stream and attempt.status_code == 200):
+            self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
+        # A stream in progress is recorded when it ends (it may still break).
+        return attempt
+
+    def _stream(
+        self, attempt: Attempt, hold: _Hold, request_id: str, num_tokens: int, deadline: float
+    ) -> StreamingResponse:
+        upstream = attempt.upstream
+
+        def on_end(ok: bool, num_events: int) -> None:
+            upstream.endpoint.remove_request(num_tokens)
+            self._record(upstream, ok=ok, ttft_s=attempt.ttft_s, kind=None if ok else "read")
+            if ok:
+                self.estimator.observe(num_events)
+            hold.end(200 if ok else 502, attempt.ttft_s, num_events)
+
+        headers = _response_headers(attempt, request_id)
+        return StreamingResponse(pump(attempt, deadline, on_end), headers=headers)
+
+    def _record(self, upstream: Upstream, ok: bool, ttft_s: float | None, kind: str | None = None):
+        if self.pool.record_result(upstream, ok):
+            logger.warning("circuit breaker opened for %s", upstream.endpoint_id)
+            self.metrics.breaker_opened.labels(upstream.endpoint_id, upstream.release).inc()
+        if not ok:
+            self.metrics.upstream_failures.labels(upstream.release, upstream.variant, kind).inc()
+        self.judge.record(upstream.track, ok, ttft_s)
+        if upstream.track is Track.CANARY:
+            self._judge_canary()
+
+    def _judge_canary(self) -> None:
+        if not self.config.canary.auto_rollback or self.canary_weight <= 0:
+            return
+        verdict = self.judge.verdict()
+        if not verdict.rollback:
+            return
+        self.canary_weight = 0  # from this request on, nothing goes to the canary
+        logger.warning("canary rolled back: %s", verdict.reason)
+        canary_release = next((u.release for u in self.pool if u.track is Track.CANARY), "none")
+        self.metrics.canary_rollbacks.labels(canary_release).inc()
+        if self.on_canary_rollback is not None:
+            self.on_canary_rollback(verdict)
+
+    def set_canary_weight(self, weight: int) -> None:
+        if weight != self.canary_weight:
+            self.judge.reset()  # each canary is judged on its own traffic
+            self.canary_weight = weight
+
+
+@dataclass(eq=False)
+class _Hold:
+    """The slots an admitted request holds; `end` frees them once and records metrics."""
+
+    service: GatewayService
+    tenant: Tenant
+    started_at: float
+    upstream: Upstream | None = None
+    ended: bool = False
+
+    def end(self, status_code: int, ttft_s: float | None, num_output_tokens: int) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        service, name = self.service, self.tenant.name
+        service.limiter.charge(name, num_output_tokens, time.monotonic())
+        service.limiter.release(name)
+        service.admission.release(self.tenant.priority)
+        metrics = service.metrics
+        metrics.tokens.labels(name, "output").inc(num_output_tokens)
+        release = self.upstream.release if self.upstream else "none"
+        variant = self.upstream.variant if self.upstream else "none"
+        metrics.requests.labels(name, str(status_code), release, variant).inc()
+        metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
+        if ttft_s is not None and status_code < 500:
+            metrics.ttft.labels(release, variant).observe(ttft_s)
+
+
+def _response_headers(attempt: Attempt, request_id: str) -> dict[str, str]:
+    """The replica's content headers, plus which release and variant answered."""
+    return {
+        **attempt.passed_headers(),
+        "x-request-id": request_id,
+        "x-modelship-release": attempt.upstream.release,
+        "x-modelship-variant": attempt.upstream.variant,
+    }
+
+
+def _usage_completion_tokens(body: bytes) -> int:
+    try:
+        return int(json.loads(body)["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return 0

@@ -1,0 +1,109 @@
+"""Which releases take traffic: `production` (stable) and, optionally, a canary.
+
+The plan is a file, `models/<slug>/traffic.json`, next to the `production` link: the
+`modelship release` commands write it (atomically, under the model's lock) and a running
+fleet reads it every second, so release control works the same whether the fleet was
+started in this shell, another one, or by a supervisor on another machine sharing the
+storage. Every change is appended to `events`, the release history operators read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelship.pipeline.errors import PipelineError
+from modelship.storage import Storage
+from modelship.storage.manifest import now_iso
+from modelship.storage.store import write_json_atomic
+
+TRAFFIC_FILE = "traffic.json"
+_MAX_EVENTS = 200
+
+
+@dataclass(frozen=True)
+class CanaryPlan:
+    release: int
+    weight: int  # percent of traffic, 1..99
+
+
+@dataclass(frozen=True)
+class TrafficPlan:
+    canary: CanaryPlan | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        canary = None
+        if self.canary is not None:
+            canary = {"release": self.canary.release, "weight": self.canary.weight}
+        return {"canary": canary, "events": self.events[-_MAX_EVENTS:]}
+
+
+def traffic_path(storage: Storage, slug: str) -> Path:
+    return storage.model_dir(slug) / TRAFFIC_FILE
+
+
+def read_traffic(storage: Storage, slug: str) -> TrafficPlan:
+    """The current plan; no file means no canary."""
+    path = traffic_path(storage, slug)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return TrafficPlan()
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{path}: not valid JSON: {exc}") from None
+    canary = data.get("canary")
+    plan = None
+    if canary is not None:
+        plan = CanaryPlan(release=int(canary["release"]), weight=int(canary["weight"]))
+    return TrafficPlan(plan, list(data.get("events", [])))
+
+
+def _write(storage: Storage, slug: str, canary: CanaryPlan | None, event: dict[str, Any]):
+    path = traffic_path(storage, slug)
+    with storage.lock(path):
+        plan = read_traffic(storage, slug)
+        events = [*plan.events, {"at": now_iso(), **event}]
+        new = TrafficPlan(canary, events)
+        write_json_atomic(path, new.to_json())
+    return new
+
+
+def start_canary(storage: Storage, slug: str, release: int, weight: int) -> TrafficPlan:
+    """Send `weight` percent of traffic (sticky per session) to `release`."""
+    if not 1 <= weight <= 99:
+        raise PipelineError(f"--weight must be between 1 and 99 (percent), got {weight}")
+    releases = storage.releases(slug)
+    if release not in releases:
+        raise PipelineError(f"release {release} does not exist (releases: {releases or 'none'})")
+    production = storage.production_release(slug)
+    if production is None:
+        raise PipelineError(f"{slug} has no production release to compare a canary with")
+    if release == production:
+        raise PipelineError(f"release {release} is already production")
+    canary = CanaryPlan(release, weight)
+    return _write(storage, slug, canary, {"action": "canary", "release": release, "weight": weight})
+
+
+def promote_canary(storage: Storage, slug: str) -> tuple[int | None, int]:
+    """Make the canary production; returns (old production, new production)."""
+    plan = read_traffic(storage, slug)
+    if plan.canary is None:
+        raise PipelineError(f"{slug} has no canary to promote")
+    before = storage.production_release(slug)
+    storage.set_production(slug, plan.canary.release)
+    _write(storage, slug, None, {"action": "promote", "release": plan.canary.release})
+    return before, plan.canary.release
+
+
+def end_canary(storage: Storage, slug: str, reason: str, automatic: bool = False) -> int | None:
+    """Send all traffic back to production; returns the canary's release (None: none ran)."""
+    plan = read_traffic(storage, slug)
+    if plan.canary is None:
+        return None
+    action = "auto_rollback" if automatic else "rollback"
+    event = {"action": action, "release": plan.canary.release, "reason": reason}
+    _write(storage, slug, None, event)
+    return plan.canary.release

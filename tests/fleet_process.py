@@ -1,0 +1,111 @@
+"""`modelship up` as a real subprocess on 127.0.0.1, with helpers to look inside it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelship.server.process import free_port
+
+
+class UpProcess:
+    def __init__(self, config: dict, storage: Path, slug: str, workdir: Path) -> None:
+        self.port = free_port()
+        config = {**config, "gateway": {**config.get("gateway", {}), "port": self.port}}
+        self.config_path = workdir / "pipeline.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.storage = storage
+        self.slug = slug
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "up.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "modelship", *self.cli_args("up")],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def cli_args(self, *command: str) -> list[str]:
+        return [*command, "--config", str(self.config_path), "--storage", str(self.storage),
+                "--model", self.slug]  # fmt: skip
+
+    def cli(self, *command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "modelship", *self.cli_args(*command)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, condition, timeout_s: float = 120.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"modelship up exited while waiting for {what}:\n{self.log()}")
+            try:
+                if condition():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; log tail:\n{self.log()[-4000:]}")
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        self.wait_for(
+            lambda: httpx.get(f"{self.url}/ready", timeout=1).status_code == 200,
+            timeout_s,
+            "the gateway to be ready",
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        total = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+        return total
+
+    @staticmethod
+    def replica_url(replica: psutil.Process) -> str:
+        args = replica.cmdline()
+        return f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+
+    def replicas(self) -> list[psutil.Process]:
+        """The replica processes (`modelship serve` children of the fleet)."""
+        replicas = []
+        for child in psutil.Process(self.process.pid).children():
+            try:  # a killed replica is a zombie until the supervisor reaps it
+                if child.status() != psutil.STATUS_ZOMBIE and "serve" in child.cmdline():
+                    replicas.append(child)
+            except psutil.Error:
+                pass
+        return replicas
+
+    def stop(self) -> int:
+        """SIGTERM (drain), wait; returns the exit code. Its replicas must be gone too."""
+        replicas = self.replicas() if self.process.poll() is None else []
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        _, alive = psutil.wait_procs(replicas, timeout=10)
+        assert not alive, f"replicas left running: {alive}"
+        return self.process.returncode

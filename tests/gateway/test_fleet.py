@@ -1,0 +1,218 @@
+"""`modelship up` end to end: a real gateway over real replica processes of a tiny model,
+driven through the openai SDK."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from modelship.gateway import hash_api_key
+from modelship.storage import Storage
+
+from fleet_process import UpProcess
+from fleet_storage import publish_release
+
+SLUG = "tiny"
+KEY = "sk-alpha-test"
+LIMITED_KEY = "sk-limited-test"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def fleet_config() -> dict:
+    return {
+        "serve": {"engine": {"max_model_len": 256, "kv_cache_memory_mb": 16}},
+        "gateway": {
+            "tenants": [
+                {"name": "alpha", "api_key_sha256": hash_api_key(KEY), "priority": "high"},
+                {
+                    "name": "limited",
+                    "api_key_sha256": [hash_api_key(LIMITED_KEY)],
+                    "requests_per_minute": 2,
+                    "max_output_tokens": 16,
+                    "allowed_models": [SLUG],
+                },
+            ],
+            "routing": {"policy": "least_outstanding_tokens"},
+            "resilience": {"breaker_failure_threshold": 1, "breaker_cool_down_s": 30},
+        },
+        "autoscale": {
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_concurrency": 2,
+            "scale_up_window_s": 0.5,
+            "scale_down_window_s": 3,
+            "restart_backoff_s": 0.5,
+            "tick_s": 0.25,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    workdir = tmp_path_factory.mktemp("fleet")
+    storage = Storage(workdir / "storage")
+    storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
+    up = UpProcess(fleet_config(), storage.root, SLUG, workdir)
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        code = up.stop()
+        assert code == 0, up.log()[-3000:]
+
+
+def client(fleet: UpProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def ask(c: openai.OpenAI, text: str, max_tokens: int = 8, **kwargs):
+    return c.chat.completions.create(
+        model=SLUG, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, **kwargs
+    )
+
+
+def test_unknown_or_missing_key_is_401(fleet: UpProcess):
+    with pytest.raises(openai.AuthenticationError) as info:
+        ask(client(fleet, "sk-wrong"), "hello")
+    assert info.value.body["code"] == "invalid_api_key"
+    response = httpx.post(f"{fleet.url}/v1/chat/completions", json={"model": SLUG}, timeout=10)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_tenant_limits(fleet: UpProcess):
+    limited = client(fleet, LIMITED_KEY)
+    with pytest.raises(openai.BadRequestError, match="at most 16"):
+        ask(limited, "too long an answer", max_tokens=64)
+    with pytest.raises(openai.PermissionDeniedError):
+        limited.chat.completions.create(
+            model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    ask(limited, "one")
+    answer = ask(limited, "two")  # no max_tokens sent: the tenant's cap applies
+    assert answer.usage.completion_tokens <= 16
+    with pytest.raises(openai.RateLimitError) as info:
+        ask(limited, "three")
+    assert int(info.value.response.headers["retry-after"]) >= 1
+    assert info.value.body["code"] == "requests_per_minute"
+    assert (
+        fleet.metric(
+            "modelship_gateway_rejections_total", tenant="limited", reason="requests_per_minute"
+        )
+        == 1
+    )
+    # Another tenant is not affected.
+    assert ask(client(fleet), "still fine").choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_through_the_gateway(fleet: UpProcess):
+    c = client(fleet)
+    whole = ask(c, "stream me", max_tokens=12, temperature=0)
+    stream = ask(c, "stream me", max_tokens=12, temperature=0, stream=True)
+    chunks = [chunk for chunk in stream]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_response_says_which_release_answered(fleet: UpProcess):
+    response = httpx.post(
+        f"{fleet.url}/v1/completions",
+        json={"model": SLUG, "prompt": "hello", "max_tokens": 2},
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
+    assert response.status_code == 200
+    assert response.headers["x-modelship-release"] == "1"
+    assert response.headers["x-modelship-variant"] == "fp16"
+
+
+class Load:
+    """Closed-loop non-streaming load from `concurrency` threads; every failure is kept."""
+
+    def __init__(self, fleet: UpProcess, concurrency: int) -> None:
+        self.c = client(fleet)
+        self.stop = threading.Event()
+        self.num_ok = 0
+        self.failures: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(concurrency)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                ask(self.c, f"worker {worker} request {n} " + "x" * (n % 7), max_tokens=24)
+                self.num_ok += 1
+            except BaseException as exc:
+                self.failures.append(exc)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=60)
+
+
+def ready_replicas(fleet: UpProcess) -> float:
+    return fleet.metric("modelship_gateway_replicas", track="stable", state="ready")
+
+
+def busy_replica(fleet: UpProcess) -> psutil.Process:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for replica in fleet.replicas():
+            text = httpx.get(f"{fleet.replica_url(replica)}/metrics", timeout=5).text
+            if any(
+                line.startswith("modelship:num_requests_running") and float(line.split()[-1]) > 0
+                for line in text.splitlines()
+            ):
+                return replica
+    raise AssertionError("no replica was running a request")
+
+
+def test_scale_out_survive_kill_then_scale_in(fleet: UpProcess):
+    assert ready_replicas(fleet) == 1
+    load = Load(fleet, concurrency=6)
+    try:
+        # Six in flight against a target of two per replica: a second replica starts.
+        fleet.wait_for(lambda: ready_replicas(fleet) == 2, 120, "scale out to 2 replicas")
+        assert fleet.metric("modelship_gateway_replica_time_to_ready_seconds_count") >= 2
+        before = load.num_ok
+        fleet.wait_for(lambda: load.num_ok > before + 10, 60, "traffic on two replicas")
+
+        # kill -9 a replica while it runs requests: they are retried on the other one.
+        victim = busy_replica(fleet)
+        victim.kill()
+        fleet.wait_for(
+            lambda: fleet.metric("modelship_gateway_replica_restarts_total") >= 1,
+            30,
+            "the supervisor to notice the crash",
+        )
+        fleet.wait_for(lambda: ready_replicas(fleet) == 2, 120, "the replacement to be ready")
+        after_restart = load.num_ok
+        fleet.wait_for(lambda: load.num_ok > after_restart + 10, 60, "traffic after restart")
+    finally:
+        load.finish()
+    assert not load.failures, f"{len(load.failures)} requests failed: {load.failures[:3]}"
+    assert fleet.metric("modelship_gateway_breaker_opened_total") >= 1
+    assert fleet.metric("modelship_gateway_retries_total") >= 1
+
+    # Idle for the scale-down window: back to one replica, drained without a failure.
+    fleet.wait_for(lambda: ready_replicas(fleet) == 1, 60, "scale in to 1 replica")
+    fleet.wait_for(lambda: len(fleet.replicas()) == 1, 60, "the drained replica to exit")
+    assert fleet.metric("modelship_gateway_scale_events_total", direction="down") >= 1
+    assert ask(client(fleet), "after scale in").choices
+    failed = fleet.metric("modelship_gateway_requests_total", tenant="alpha", status="502")
+    assert failed == 0

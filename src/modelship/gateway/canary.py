@@ -70,7 +70,7 @@ class CanaryJudge:
 
     Rollback when both tracks have `min_requests` in the window and the canary's error
     rate exceeds stable's by more than `max_error_rate_margin`, or its TTFT p95 exceeds
-    `max_ttft_p95_ratio` x stable's.
+    `max_ttft_p95_ratio` x stable's and by at least `min_ttft_increase_s`.
     """
 
     def __init__(self, config: CanaryJudgeConfig, clock: Callable[[], float] = time.monotonic):
@@ -110,6 +110,7 @@ class CanaryJudge:
             canary.ttft_p95_s is not None
             and stable.ttft_p95_s is not None
             and canary.ttft_p95_s > stable.ttft_p95_s * config.max_ttft_p95_ratio
+            and canary.ttft_p95_s - stable.ttft_p95_s >= config.min_ttft_increase_s
         ):
             reason = (
                 f"canary TTFT p95 {canary.ttft_p95_s * 1000:.0f} ms exceeds "

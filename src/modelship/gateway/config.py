@@ -65,8 +65,10 @@ class CanaryJudgeConfig(_Section):
     min_requests: int = Field(default=20, ge=1)  # per track, before judging at all
     # Rolled back when canary error rate > stable error rate + margin ...
     max_error_rate_margin: float = Field(default=0.05, ge=0, le=1)
-    # ... or canary TTFT p95 > stable TTFT p95 x ratio.
+    # ... or canary TTFT p95 > stable TTFT p95 x ratio, and higher by at least
+    # `min_ttft_increase_s` (a few ms more on a fast model is noise, not a regression).
     max_ttft_p95_ratio: float = Field(default=1.5, ge=1)
+    min_ttft_increase_s: float = Field(default=0.05, ge=0)
 
 
 class GatewayConfig(_Section):

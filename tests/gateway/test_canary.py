@@ -1,0 +1,135 @@
+"""The canary split and judge (pure, fake clock) and the release plan on storage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from modelship.gateway.canary import CanaryJudge, Track, in_canary
+from modelship.gateway.config import CanaryJudgeConfig
+from modelship.gateway.traffic import end_canary, promote_canary, read_traffic, start_canary
+from modelship.pipeline.errors import PipelineError
+from modelship.storage import Storage
+
+from fleet_storage import publish_release
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_split_is_sticky_proportional_and_monotonic_in_weight():
+    keys = [f"user-{i}" for i in range(4000)]
+    at_10 = {k for k in keys if in_canary(k, 10)}
+    at_30 = {k for k in keys if in_canary(k, 30)}
+    assert 0.08 < len(at_10) / len(keys) < 0.12
+    assert 0.27 < len(at_30) / len(keys) < 0.33
+    assert at_10 <= at_30  # raising the weight only moves keys to the canary
+    assert all(in_canary(k, 10) for k in at_10)  # same key, same side
+    assert not any(in_canary(k, 0) for k in keys)
+
+
+def judge(clock: Clock, **overrides) -> CanaryJudge:
+    settings = dict(window_s=60, min_requests=10, max_error_rate_margin=0.05,
+                    max_ttft_p95_ratio=1.5, min_ttft_increase_s=0.05)  # fmt: skip
+    settings.update(overrides)
+    return CanaryJudge(CanaryJudgeConfig(**settings), clock=clock)
+
+
+def feed(j: CanaryJudge, track: Track, n: int, ok: bool = True, ttft_s: float = 0.1) -> None:
+    for _ in range(n):
+        j.record(track, ok, ttft_s if ok else None)
+
+
+def test_judge_waits_for_enough_requests_on_both_tracks():
+    j = judge(Clock())
+    feed(j, Track.STABLE, 50)
+    feed(j, Track.CANARY, 9, ok=False)
+    assert not j.verdict().rollback
+    feed(j, Track.CANARY, 1, ok=False)
+    verdict = j.verdict()
+    assert verdict.rollback and "error rate" in verdict.reason
+
+
+def test_judge_rolls_back_on_error_rate_margin_only():
+    j = judge(Clock())
+    feed(j, Track.STABLE, 95)
+    feed(j, Track.STABLE, 5, ok=False)  # stable: 5% errors
+    feed(j, Track.CANARY, 90)
+    feed(j, Track.CANARY, 10, ok=False)  # canary: 10%, exactly the margin above
+    assert not j.verdict().rollback
+    feed(j, Track.CANARY, 1, ok=False)
+    assert j.verdict().rollback
+
+
+def test_judge_rolls_back_on_slow_canary_but_not_on_noise():
+    j = judge(Clock())
+    feed(j, Track.STABLE, 20, ttft_s=0.010)
+    feed(j, Track.CANARY, 20, ttft_s=0.030)  # 3x slower, but only 20 ms: noise
+    assert not j.verdict().rollback
+    j.reset()
+    feed(j, Track.STABLE, 20, ttft_s=0.100)
+    feed(j, Track.CANARY, 20, ttft_s=0.140)  # +40 ms but only 1.4x
+    assert not j.verdict().rollback
+    feed(j, Track.CANARY, 20, ttft_s=0.400)
+    verdict = j.verdict()
+    assert verdict.rollback and "TTFT" in verdict.reason
+    assert verdict.canary.ttft_p95_s == pytest.approx(0.4)
+
+
+def test_judge_forgets_outside_the_window():
+    clock = Clock()
+    j = judge(clock)
+    feed(j, Track.STABLE, 20)
+    feed(j, Track.CANARY, 20, ok=False)
+    clock.now = 61.0
+    feed(j, Track.STABLE, 20)
+    feed(j, Track.CANARY, 20)
+    verdict = j.verdict()
+    assert not verdict.rollback
+    assert verdict.canary.num_requests == 20 and verdict.canary.error_rate == 0
+
+
+@pytest.fixture
+def storage(tmp_path: Path, tiny_llama_dir: Path) -> Storage:
+    storage = Storage(tmp_path / "storage")
+    for variant in ("fp16", "gptq"):
+        publish_release(storage, "m", tiny_llama_dir, variant)
+    storage.set_production("m", 1)
+    return storage
+
+
+def test_release_plan_canary_promote_and_rollback(storage: Storage):
+    assert read_traffic(storage, "m").canary is None
+    plan = start_canary(storage, "m", 2, 10)
+    assert (plan.canary.release, plan.canary.weight) == (2, 10)
+    assert read_traffic(storage, "m").canary == plan.canary
+    assert promote_canary(storage, "m") == (1, 2)
+    assert storage.production_release("m") == 2
+    assert read_traffic(storage, "m").canary is None
+    start_canary(storage, "m", 1, 50)
+    assert end_canary(storage, "m", "too slow", automatic=True) == 1
+    assert end_canary(storage, "m", "again") is None
+    events = read_traffic(storage, "m").events
+    assert [e["action"] for e in events] == ["canary", "promote", "canary", "auto_rollback"]
+    assert events[-1]["reason"] == "too slow"
+
+
+@pytest.mark.parametrize(
+    ("release", "weight", "message"),
+    [(3, 10, "release 3 does not exist"), (1, 10, "already production"), (2, 100, "between 1")],
+)
+def test_release_plan_refuses_bad_canaries(storage: Storage, release, weight, message):
+    with pytest.raises(PipelineError, match=message):
+        start_canary(storage, "m", release, weight)
+    assert not (storage.model_dir("m") / "traffic.json").exists()
+
+
+def test_promote_without_canary_is_an_error(storage: Storage):
+    with pytest.raises(PipelineError, match="no canary"):
+        promote_canary(storage, "m")

@@ -1,0 +1,151 @@
+"""Canary releases through `modelship up`: a sticky split, promotion, and the automatic
+rollback of a canary much slower than stable. Real replicas of tiny models; the release
+plan is changed with the real `modelship release` CLI, as an operator would."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from modelship.storage import Storage
+
+from fleet_process import UpProcess
+from fleet_storage import publish_release
+from tiny_models import make_tiny_llama
+
+SLUG = "tiny"
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    workdir = tmp_path_factory.mktemp("canary")
+    storage = Storage(workdir / "storage")
+    publish_release(storage, SLUG, tiny_llama_dir, "fp16")  # 1: production
+    publish_release(storage, SLUG, make_tiny_llama(workdir / "next", seed=1), "gptq")  # 2
+    # 3: a much bigger model under the same tokenizer: a release that regressed on latency.
+    slow = make_tiny_llama(
+        workdir / "slow", seed=2, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4,
+    )  # fmt: skip
+    publish_release(storage, SLUG, slow, "awq")
+    storage.set_production(SLUG, 1)
+    config = {
+        "serve": {"engine": {"max_model_len": 512, "kv_cache_memory_mb": 32}},
+        "gateway": {
+            "canary": {
+                "min_requests": 8,
+                "window_s": 120,
+                "max_ttft_p95_ratio": 2.0,
+                "min_ttft_increase_s": 0.1,
+            },
+        },
+        "autoscale": {"min_replicas": 1, "max_replicas": 1, "tick_s": 0.25},
+    }
+    up = UpProcess(config, storage.root, SLUG, workdir)
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        assert up.stop() == 0, up.log()[-3000:]
+
+
+def release_of(fleet: UpProcess, user: str, prompt: str = "hello there", max_tokens: int = 2):
+    response = httpx.post(
+        f"{fleet.url}/v1/chat/completions",
+        json={"model": SLUG, "messages": [{"role": "user", "content": prompt}],
+              "max_tokens": max_tokens, "user": user},
+        timeout=120,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.headers["x-modelship-release"]
+
+
+def canary_ready(fleet: UpProcess, weight: int) -> bool:
+    ready = fleet.metric("modelship_gateway_replicas", track="canary", state="ready")
+    return ready == 1 and fleet.metric("modelship_gateway_canary_weight") == weight
+
+
+def test_canary_split_is_sticky_then_promote(fleet: UpProcess):
+    result = fleet.cli("release", "canary", "--release", "2", "--weight", "30")
+    assert result.returncode == 0, result.stderr
+    fleet.wait_for(lambda: canary_ready(fleet, 30), 120, "the canary replica")
+
+    users = [f"user-{i}" for i in range(60)]
+    first = {user: release_of(fleet, user) for user in users}
+    counts = Counter(first.values())
+    assert set(counts) == {"1", "2"}
+    assert 6 <= counts["2"] <= 32, counts  # 30% of 60, with room for chance
+    assert all(release_of(fleet, user) == first[user] for user in users[:15])  # sticky
+
+    result = fleet.cli("release", "promote")
+    assert result.returncode == 0, result.stderr
+    assert "release 1 -> release 2" in result.stdout
+    # The canary's replica becomes stable; release 1's replica is drained and stops.
+    fleet.wait_for(
+        lambda: (
+            fleet.metric("modelship_gateway_replicas", release="1") == 0
+            and len(fleet.replicas()) == 1
+        ),
+        60,
+        "release 1 to be drained",
+    )
+    assert {release_of(fleet, user) for user in users[:20]} == {"2"}
+    assert fleet.metric("modelship_gateway_replica_time_to_ready_seconds_count") == 2
+
+
+def test_slow_canary_is_rolled_back_automatically(fleet: UpProcess):
+    result = fleet.cli("release", "canary", "--release", "3", "--weight", "50")
+    assert result.returncode == 0, result.stderr
+    fleet.wait_for(lambda: canary_ready(fleet, 50), 120, "the slow canary replica")
+
+    prompt = "Tell me about paged attention and continuous batching. " * 12
+    answered: list[str] = []
+    rolled_back = threading.Event()
+
+    def worker(worker_id: int) -> None:
+        for i in range(40):
+            if rolled_back.is_set():
+                return
+            answered.append(release_of(fleet, f"w{worker_id}-{i}", prompt))
+
+    def watch() -> bool:
+        if fleet.metric("modelship_gateway_canary_rollbacks_total") >= 1:
+            rolled_back.set()
+        return rolled_back.is_set()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        fleet.wait_for(watch, 240, "the automatic rollback")
+    finally:
+        rolled_back.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert "3" in answered  # the canary did take traffic before it was judged
+
+    plan = json.loads((fleet.storage / "models" / SLUG / "traffic.json").read_text())
+    assert plan["canary"] is None
+    event = plan["events"][-1]
+    assert event["action"] == "auto_rollback" and event["release"] == 3
+    assert "TTFT" in event["reason"]
+    status = fleet.cli("release", "status")
+    assert "canary: none" in status.stdout and "auto_rollback release 3" in status.stdout
+    # Everything goes to production again, and the canary replica is drained.
+    assert {release_of(fleet, f"after-{i}") for i in range(10)} == {"2"}
+    fleet.wait_for(lambda: len(fleet.replicas()) == 1, 60, "the canary replica to stop")
+
+
+def test_release_cli_errors(fleet: UpProcess):
+    result = fleet.cli("release", "canary", "--release", "9", "--weight", "10")
+    assert result.returncode == 1
+    assert "release 9 does not exist" in result.stderr
+    result = fleet.cli("release", "rollback")
+    assert result.returncode == 1 and "no canary is running" in result.stderr

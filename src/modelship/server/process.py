@@ -49,13 +49,14 @@ class ReplicaProcess:
         die_with_parent: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.args = list(args)
+        self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "modelship", "serve", str(model_dir)]
-        command += ["--host", host, "--port", str(self.port), *args]
+        command = self.command()
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
         self.process = subprocess.Popen(
@@ -64,6 +65,10 @@ class ReplicaProcess:
             stderr=subprocess.STDOUT,
             preexec_fn=_term_with_parent if die_with_parent else None,
         )
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "modelship", "serve", str(self.model_dir),
+                "--host", self.host, "--port", str(self.port), *self.args]  # fmt: skip
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,192 @@
+"""`modelship gateway` in front of replicas given by address (how Kubernetes runs it):
+health checks, bad input, priority shedding and the queue cap, timeouts, a dead replica."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from modelship.config import ConfigError, ModelshipConfig
+from modelship.gateway import hash_api_key
+from modelship.server.process import ReplicaProcess, free_port
+
+from server_process import ServerProcess
+
+MODEL = "tiny"
+HIGH, LOW = "sk-high-test", "sk-low-test"
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
+        "--kv-cache-memory-mb", "32",
+    )  # fmt: skip
+    yield process
+    process.stop()
+
+
+class GatewayProcess(ReplicaProcess):
+    """`modelship gateway --config ... --endpoint ...` (ReplicaProcess's start/ready/stop)."""
+
+    def __init__(self, tmp_path: Path, endpoints: list[str], gateway: dict) -> None:
+        config = tmp_path / "pipeline.yaml"
+        config.write_text(yaml.safe_dump({"gateway": gateway}))
+        args = ["--config", str(config)]
+        for url in endpoints:
+            args += ["--endpoint", url]
+        super().__init__(Path("."), *args, log_path=tmp_path / "gateway.log")
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "modelship", "gateway", *self.args,
+                "--host", self.host, "--port", str(self.port)]  # fmt: skip
+
+
+def tenants() -> list[dict]:
+    return [
+        {"name": "gold", "api_key_sha256": hash_api_key(HIGH), "priority": "high"},
+        {"name": "batch", "api_key_sha256": hash_api_key(LOW), "priority": "low"},
+    ]
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path):
+    started: list[GatewayProcess] = []
+
+    def start(endpoints: list[str], **gateway) -> GatewayProcess:
+        process = GatewayProcess(tmp_path, endpoints, {"tenants": tenants(), **gateway})
+        started.append(process)
+        process.wait_ready(60)
+        return process
+
+    yield start
+    for process in started:
+        assert process.stop() == 0, process.log_tail()
+
+
+def post(gateway: GatewayProcess, body, key: str = HIGH, path: str = "/v1/chat/completions"):
+    content = body if isinstance(body, bytes) else None
+    return httpx.post(
+        gateway.url + path,
+        content=content,
+        json=None if content else body,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        timeout=60,
+    )
+
+
+def chat(max_tokens: int = 4, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens, **extra}  # fmt: skip
+
+
+def test_proxies_lists_models_and_reports_metrics(replica: ServerProcess, start_gateway):
+    gateway = start_gateway([replica.url])
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    answer = client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    assert answer.usage.completion_tokens == 3
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'modelship_gateway_requests_total{release="stable",status="200",tenant="gold"' in (
+        metrics
+    )
+    assert "modelship_gateway_routing_decisions_total" in metrics
+
+
+def test_bad_input_gets_openai_errors(replica: ServerProcess, start_gateway):
+    gateway = start_gateway([replica.url])
+    response = post(gateway, b"{not json")
+    assert response.status_code == 400
+    assert "parse the JSON" in response.json()["error"]["message"]
+    response = post(gateway, {"model": MODEL})
+    assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+    response = post(gateway, chat(temperature=-3))  # the replica validates the rest
+    assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
+    response = httpx.get(f"{gateway.url}/v1/nothing-here")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_priority_shedding_then_queue_cap(replica: ServerProcess, start_gateway):
+    gateway = start_gateway(
+        [replica.url], admission={"max_requests": 2, "low_priority_fill": 0.5,
+                                  "normal_priority_fill": 0.5},
+    )  # fmt: skip
+    long_stream = chat(max_tokens=1800, ignore_eos=True, stream=True)
+    headers = {"authorization": f"Bearer {HIGH}"}
+    url = f"{gateway.url}/v1/chat/completions"
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", url, json=long_stream, headers=headers) as first,
+    ):
+        first_chunks = first.iter_raw()  # kept: a dropped iterator closes the connection
+        next(first_chunks)  # one request held: the gateway is half full
+        shed = post(gateway, chat(), key=LOW)
+        assert shed.status_code == 503
+        assert shed.headers["retry-after"] == "1"
+        assert "shedding low-priority" in shed.json()["error"]["message"]
+        assert post(gateway, chat(), key=HIGH).status_code == 200
+        with http.stream("POST", url, json=long_stream, headers=headers) as second:
+            second_chunks = second.iter_raw()
+            next(second_chunks)  # two held: full
+            full = post(gateway, chat(), key=HIGH)
+            assert full.status_code == 503
+            assert "at capacity" in full.json()["error"]["message"]
+    # Both clients hung up mid-stream: their slots are freed (and the replica's requests
+    # aborted) as soon as the gateway sees the disconnects.
+    deadline = time.monotonic() + 10
+    held = 'modelship_gateway_queue_length{priority="high"} 0.0'
+    while held not in httpx.get(f"{gateway.url}/metrics").text:
+        assert time.monotonic() < deadline, "the slots of disconnected clients were not freed"
+        time.sleep(0.05)
+    assert post(gateway, chat(), key=LOW).status_code == 200
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'modelship_gateway_rejections_total{reason="priority_shed",tenant="batch"} 1.0' in (
+        metrics
+    )
+
+
+def test_slow_answer_is_a_504(replica: ServerProcess, start_gateway):
+    gateway = start_gateway([replica.url], resilience={"request_timeout_s": 0.5})
+    response = post(gateway, chat(max_tokens=1800, ignore_eos=True))
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "timeout"
+    assert post(gateway, chat()).status_code == 200
+
+
+def test_dead_replica_is_routed_around(replica: ServerProcess, start_gateway):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    gateway = start_gateway([dead, replica.url], routing={"policy": "round_robin"})
+    statuses = [post(gateway, chat(), path="/v1/chat/completions").status_code for _ in range(8)]
+    assert statuses == [200] * 8
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    # The dead one never passed a health check, so it was never tried.
+    assert 'modelship_gateway_replicas{release="stable",state="unhealthy"' in metrics
+
+
+def test_gateway_without_endpoints_exits_2(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "-m", "modelship", "gateway"],
+        capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "MODELSHIP_GATEWAY_ENDPOINTS": ""},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--endpoint" in result.stderr
+
+
+def test_tenant_config_errors_name_the_field_and_never_echo_keys():
+    with pytest.raises(ConfigError) as info:
+        ModelshipConfig.from_dict(
+            {"gateway": {"tenants": [{"name": "t", "api_key_sha256": "sk-very-secret-key"}]}}
+        )
+    message = str(info.value)
+    assert "gateway.tenants.0.api_key_sha256" in message
+    assert "sk-very-secret-key" not in message

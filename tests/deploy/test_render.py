@@ -207,7 +207,10 @@ def test_gateway_runs_modelship_gateway_with_the_config() -> None:
     objects = render(config_for("deployment")).objects
     gateway = one(objects, "Deployment", f"{NAME}-gateway")
     container = gateway["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"] == ["gateway", "--config", "/etc/modelship/pipeline.yaml"]
+    assert container["args"] == [
+        "gateway", "--config", "/etc/modelship/pipeline.yaml", "--host", "0.0.0.0",
+        "--port", "8080",
+    ]  # fmt: skip
     assert gateway["spec"]["replicas"] == 2
     one(objects, "Service", f"{NAME}-gateway")
     one(objects, "PodDisruptionBudget", f"{NAME}-gateway")

@@ -219,12 +219,13 @@ def gateway_env(ctx: RenderContext) -> list[Json]:
 def gateway_deployment(ctx: RenderContext) -> Json:
     gateway = ctx.serving.gateway
     name = f"{ctx.name}-{GATEWAY}"
+    port = str(gateway.port)
     container: Json = {
         "name": GATEWAY,
         "image": ctx.deploy.image,
         "imagePullPolicy": ctx.deploy.image_pull_policy,
         "command": ["modelship"],
-        "args": ["gateway", "--config", CONFIG_PATH],
+        "args": ["gateway", "--config", CONFIG_PATH, "--host", "0.0.0.0", "--port", port],
         "ports": [{"name": "http", "containerPort": gateway.port, "protocol": "TCP"}],
         "env": gateway_env(ctx),
         **probes("http", "/ready"),

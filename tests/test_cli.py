@@ -38,6 +38,8 @@ def test_acquire_local_then_verify(tiny_llama_dir: Path, tmp_path: Path) -> None
     verified = run_cli("verify", str(base), "--full")
     assert verified.returncode == 0 and "match (sha256)" in verified.stdout
 
+    # A new file, not a write through the hard link acquire made to the shared tiny model.
+    (base / "tokenizer.json").unlink()
     (base / "tokenizer.json").write_text("{}")
     broken = run_cli("verify", str(base))
     assert broken.returncode == 1
@@ -74,7 +76,7 @@ def test_offline_hub_message(tmp_path: Path) -> None:
         str(tmp_path),
         env={"HF_ENDPOINT": "http://127.0.0.1:9"},
     )
-    assert result.returncode == 1
+    assert result.returncode == 75  # transient: a workflow engine retries the step
     assert "cannot reach the Hugging Face Hub" in result.stderr
     assert "demo" in result.stderr
 

@@ -32,6 +32,16 @@ StorageOption = Annotated[
 ]
 
 
+# Exit code of a failure worth retrying (EX_TEMPFAIL): the Argo Workflow retries on it.
+TRANSIENT_EXIT_CODE = 75
+
+
+def exit_code(exc: Exception) -> int:
+    from modelship.pipeline.errors import TransientError
+
+    return TRANSIENT_EXIT_CODE if isinstance(exc, TransientError) else 1
+
+
 def fail(message: str, code: int = 1) -> None:
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -62,7 +72,7 @@ def acquire(
                 source, Storage(storage), revision, name=name, refresh=refresh, progress=progress
             )
     except (PipelineError, StorageError) as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     manifest = result.manifest
     how = "already acquired (memoized)" if result.memoized else "acquired"
@@ -85,7 +95,7 @@ def verify(
     try:
         manifest = verify_artifact(artifact, full=full)
     except StorageError as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     mode = "sha256" if full else "sizes"
     console.print(f"[green]ok[/] {artifact}: {len(manifest.files)} files match ({mode})")
@@ -139,7 +149,7 @@ def serve(
             enable_prefix_caching=prefix_caching,
         )
     except (PipelineError, ValueError) as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     import logging
 
@@ -221,7 +231,7 @@ def optimize(
             overrides=config.optimize.recipes,
         )
     except (PipelineError, StorageError) as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     for result in results:
         how = "memoized" if result.memoized else f"made in {result.seconds:.1f}s"
@@ -241,7 +251,7 @@ def select(
     try:
         result = run_select(store, slug, config, log=err_console.print)
     except (PipelineError, StorageError) as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     _print_selection(result, store, slug)
 
@@ -274,7 +284,7 @@ def rollback(
     try:
         before, after = run_rollback(store, slug, to)
     except (PipelineError, StorageError) as exc:
-        fail(str(exc))
+        fail(str(exc), exit_code(exc))
         return
     console.print(f"production: release {before} -> release {after}")
 
@@ -350,7 +360,7 @@ def run(
             slug, _ = run_pipeline(config, store, on_change=on_change)
         except (PipelineError, StorageError) as exc:
             progress.stop()
-            fail(f"{exc}\nsee `modelship status` and the step logs")
+            fail(f"{exc}\nsee `modelship status` and the step logs", exit_code(exc))
             return
     production = store.production_link(slug)
     console.print(f"[green]production[/]: {production.resolve()}")

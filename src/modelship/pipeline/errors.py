@@ -11,3 +11,8 @@ class AcquireError(PipelineError):
 
 class TransientError(PipelineError):
     """A failure worth retrying (a network hiccup, a worker that died); the DAG retries it."""
+
+
+class HubUnavailableError(AcquireError, TransientError):
+    """The Hub could not be reached or answered 429/5xx: retried by the DAG, and the CLI
+    exits with the transient code (75) so an Argo Workflow retries the step."""

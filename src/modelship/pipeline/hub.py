@@ -18,7 +18,7 @@ from huggingface_hub.errors import (
 )
 from rich.progress import Progress
 
-from modelship.pipeline.errors import AcquireError
+from modelship.pipeline.errors import AcquireError, HubUnavailableError
 from modelship.progress import rich_tqdm_class
 
 # What a model needs to be served: weights, config, tokenizer and chat template.
@@ -104,14 +104,15 @@ def _hub_error(exc: Exception, repo_id: str, revision: str | None) -> AcquireErr
     if isinstance(exc, HFValidationError):
         return AcquireError(f"{repo_id!r} is not a valid Hub repo id ({exc})")
     if _is_connection_error(exc):
-        return AcquireError(
+        return HubUnavailableError(
             f"cannot reach the Hugging Face Hub at {endpoint()} for {at} "
             f"({type(_root_cause(exc)).__name__}); this machine may be offline. "
             "Use `modelship acquire demo` or a local folder or .gguf path instead."
         )
     if isinstance(exc, HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else "?"
-        return AcquireError(f"the Hub answered HTTP {status} for {at}")
+        status = exc.response.status_code if exc.response is not None else None
+        error = HubUnavailableError if status == 429 or (status or 0) >= 500 else AcquireError
+        return error(f"the Hub answered HTTP {status or '?'} for {at}")
     return AcquireError(f"download of {at} failed: {type(exc).__name__}: {exc}")
 
 

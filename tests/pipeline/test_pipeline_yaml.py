@@ -46,3 +46,15 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path: Path) -> None:
     assert "optimize.max_parallel" in result.output
     missing = CliRunner().invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
     assert missing.exit_code == 2 and "no such config file" in missing.output
+
+
+def test_every_yaml_example_in_the_readme_is_a_valid_config() -> None:
+    import re
+
+    import yaml
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    blocks = re.findall(r"```yaml\n(.*?)```", readme.read_text(), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        ModelshipConfig.from_dict(yaml.safe_load(block), "README.md")

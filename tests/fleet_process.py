@@ -87,7 +87,11 @@ class UpProcess:
     def replicas(self) -> list[psutil.Process]:
         """The replica processes (`modelship serve` children of the fleet)."""
         replicas = []
-        for child in psutil.Process(self.process.pid).children():
+        try:
+            children = psutil.Process(self.process.pid).children()
+        except psutil.Error:  # the fleet itself is gone
+            return []
+        for child in children:
             try:  # a killed replica is a zombie until the supervisor reaps it
                 if child.status() != psutil.STATUS_ZOMBIE and "serve" in child.cmdline():
                     replicas.append(child)

@@ -1,0 +1,321 @@
+"""Routing benchmark: multi-turn chat over a fleet, round_robin vs least_outstanding_tokens
+vs prefix_affinity, plus the gateway's own overhead.
+
+    .venv/bin/python benchmarks/routing.py [--replicas 2] [--conversations 24] [--turns 4]
+
+For each policy a fresh `modelship up` (min = max = --replicas replicas of the production
+release of the demo model, so no policy inherits another's KV caches) serves the same
+seeded workload: --conversations chats sharing one system prompt, --concurrency of them
+at a time, each turn resending the whole history (the real previous answers included)
+as a streaming chat request. Reported per policy: prefix-cache hit rate (cached prompt
+tokens / prompt tokens, from the replicas' /metrics), TTFT p50/p95 (first content chunk),
+output tok/s, requests/s, and load imbalance (mean over 100 ms samples, taken while any
+request runs, of max/mean of running + waiting across replicas). Then the gateway's
+overhead: the same 1-token request sent alternately to a replica and through the gateway.
+Prints a table and writes JSON (default benchmarks/results/routing.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelship.pipeline.acquire import DEMO_SLUG, acquire
+from modelship.server.process import free_port
+from modelship.storage import Storage
+from modelship.storage.store import link_tree
+
+POLICIES = ("round_robin", "least_outstanding_tokens", "prefix_affinity")
+WORDS = [
+    "cache",
+    "block",
+    "replica",
+    "token",
+    "route",
+    "prefix",
+    "latency",
+    "batch",
+    "kernel",
+    "queue",
+    "scheduler",
+    "tenant",
+    "gateway",
+    "stream",
+    "model",
+    "weight",
+    "release",
+    "canary",
+    "metric",
+    "budget",
+    "memory",
+    "window",
+    "request",
+]
+
+
+def ensure_release(storage: Storage) -> None:
+    """The demo model with a production release (the base published as one if needed)."""
+    acquire("demo", storage)
+    if storage.production_release(DEMO_SLUG) is not None:
+        return
+    artifact = storage.release_dir(DEMO_SLUG, 1)
+    with (
+        storage.lock(artifact),
+        storage.publish(
+            artifact, kind="release", source="base", revision=None, inputs_hash="benchmark",
+            extra={"variant": "base"},
+        ) as staging,
+    ):  # fmt: skip
+        link_tree(storage.base_dir(DEMO_SLUG), staging)
+    storage.set_production(DEMO_SLUG, 1)
+
+
+class Fleet:
+    def __init__(self, storage: Storage, workdir: Path, policy: str, replicas: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.replicas = replicas
+        config = {
+            "serve": {"engine": {"max_model_len": 2048, "kv_cache_memory_mb": 256}},
+            "gateway": {"port": self.port, "routing": {"policy": policy}},
+            "autoscale": {"min_replicas": replicas, "max_replicas": replicas},
+        }
+        path = workdir / f"{policy}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.log = open(workdir / f"{policy}.log", "w")  # noqa: SIM115 - closed in stop()
+        command = [sys.executable, "-m", "modelship", "up", "--config", str(path),
+                   "--storage", str(storage.root), "--model", DEMO_SLUG]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def metrics(self, url: str | None = None) -> dict[str, float]:
+        text = httpx.get(f"{url or self.url}/metrics", timeout=10).text
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return totals
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"modelship up exited; see {self.log.name}")
+            try:
+                text = httpx.get(f"{self.url}/metrics", timeout=2).text
+                ready = sum(
+                    s.value
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                    if s.name == "modelship_gateway_replicas" and s.labels.get("state") == "ready"
+                )
+                if ready == self.replicas:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the fleet was not ready after {timeout_s:.0f}s")
+
+    def replica_urls(self) -> list[str]:
+        urls = []
+        for child in psutil.Process(self.process.pid).children():
+            args = child.cmdline()
+            if "serve" in args:
+                urls.append(f"http://127.0.0.1:{args[args.index('--port') + 1]}")
+        return urls
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def make_conversations(num: int, turns: int, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [[" ".join(rng.choices(WORDS, k=60)) + "?" for _ in range(turns)] for _ in range(num)]
+
+
+async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int):
+    """One streamed turn: (ttft_s, answer text, output chunks)."""
+    started = time.perf_counter()
+    ttft, parts = None, []
+    body = {"model": DEMO_SLUG, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            content = choices[0].get("delta", {}).get("content")
+            if content:
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                parts.append(content)
+    return ttft if ttft is not None else time.perf_counter() - started, "".join(parts), len(parts)
+
+
+async def run_workload(fleet: Fleet, conversations, system: str, concurrency: int, max_tokens):
+    replica_urls = fleet.replica_urls()
+    ttfts: list[float] = []
+    num_chunks = 0
+    imbalance: list[float] = []
+    done = asyncio.Event()
+
+    async def sample(client: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            loads = []
+            for url in replica_urls:
+                text = (await client.get(f"{url}/metrics")).text
+                loads.append(sum(
+                    float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith(("modelship:num_requests_running",
+                                        "modelship:num_requests_waiting"))
+                ))  # fmt: skip
+            if sum(loads) > 0:
+                imbalance.append(max(loads) / (sum(loads) / len(loads)))
+            await asyncio.sleep(0.1)
+
+    async def conversation(client, semaphore, turns) -> None:
+        nonlocal num_chunks
+        async with semaphore:
+            messages = [{"role": "system", "content": system}]
+            for user in turns:
+                messages.append({"role": "user", "content": user})
+                ttft, answer, chunks = await chat_turn(client, fleet.url, messages, max_tokens)
+                ttfts.append(ttft)
+                num_chunks += chunks
+                messages.append({"role": "assistant", "content": answer})
+
+    before = [fleet.metrics(url) for url in replica_urls]
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        sampler = asyncio.create_task(sample(client))
+        started = time.perf_counter()
+        await asyncio.gather(*(conversation(client, semaphore, t) for t in conversations))
+        seconds = time.perf_counter() - started
+        done.set()
+        await sampler
+    after = [fleet.metrics(url) for url in replica_urls]
+    hits = sum(a["modelship:prefix_cache_hits_total"] - b["modelship:prefix_cache_hits_total"]
+               for a, b in zip(after, before, strict=True))  # fmt: skip
+    queries = sum(
+        a["modelship:prefix_cache_queries_total"] - b["modelship:prefix_cache_queries_total"]
+        for a, b in zip(after, before, strict=True)
+    )
+    ttfts.sort()
+    decisions = {
+        name.removeprefix("modelship_gateway_routing_decisions_total"): value
+        for name, value in fleet.metrics().items()
+        if name.startswith("modelship_gateway_routing_decisions_total")
+    }
+    return {
+        "hit_rate": hits / queries if queries else 0.0,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p95_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+        "output_tok_s": num_chunks / seconds,
+        "requests_s": len(ttfts) / seconds,
+        "imbalance": statistics.fmean(imbalance) if imbalance else 1.0,
+        "seconds": seconds,
+        "num_requests": len(ttfts),
+        "routing_decisions": decisions,
+    }
+
+
+def gateway_overhead(fleet: Fleet, num: int) -> dict:
+    replica = fleet.replica_urls()[0]
+    body = {"model": DEMO_SLUG, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1, "temperature": 0}  # fmt: skip
+    times: dict[str, list[float]] = {"direct": [], "gateway": []}
+    with httpx.Client(timeout=60) as client:
+        for i in range(num + 10):
+            for name, url in (("direct", replica), ("gateway", fleet.url)):
+                started = time.perf_counter()
+                client.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
+                if i >= 10:  # warm-up
+                    times[name].append(time.perf_counter() - started)
+    result = {f"{k}_p50_ms": 1000 * statistics.median(v) for k, v in times.items()}
+    result |= {f"{k}_p95_ms": 1000 * sorted(v)[int(0.95 * len(v))] for k, v in times.items()}
+    result["added_p50_ms"] = result["gateway_p50_ms"] - result["direct_p50_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storage", type=Path, default=Path("modelship-data"))
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--overhead-requests", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing.json"))
+    args = parser.parse_args()
+
+    storage = Storage(args.storage)
+    ensure_release(storage)
+    workdir = args.out.parent / "routing-logs"
+    workdir.mkdir(parents=True, exist_ok=True)
+    system = "You are a concise assistant for an inference platform. " * 6
+    conversations = make_conversations(args.conversations, args.turns, args.seed)
+    results: dict = {"settings": vars(args) | {"storage": str(args.storage),
+                                              "out": str(args.out)}, "policies": {}}  # fmt: skip
+    fleet = None
+    try:
+        for policy in POLICIES:
+            fleet = Fleet(storage, workdir, policy, args.replicas)
+            fleet.wait_ready()
+            print(f"{policy}: running {len(conversations) * args.turns} turns...", flush=True)
+            results["policies"][policy] = asyncio.run(
+                run_workload(fleet, conversations, system, args.concurrency, args.max_tokens)
+            )
+            if policy == POLICIES[-1]:
+                results["overhead"] = gateway_overhead(fleet, args.overhead_requests)
+            fleet.stop()
+            fleet = None
+    finally:
+        if fleet is not None:
+            fleet.stop()
+
+    print(f"\n{'policy':<26}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'tok/s':>8}"
+          f"{'req/s':>7}{'max/mean':>10}")  # fmt: skip
+    for policy, r in results["policies"].items():
+        print(f"{policy:<26}{r['hit_rate']:>9.1%}{r['ttft_p50_ms']:>8.0f}ms"
+              f"{r['ttft_p95_ms']:>8.0f}ms{r['output_tok_s']:>8.1f}{r['requests_s']:>7.2f}"
+              f"{r['imbalance']:>10.2f}")  # fmt: skip
+    o = results["overhead"]
+    print(f"\ngateway overhead: direct p50 {o['direct_p50_ms']:.2f} ms, through the gateway "
+          f"p50 {o['gateway_p50_ms']:.2f} ms: +{o['added_p50_ms']:.2f} ms")  # fmt: skip
+    rr, pa = results["policies"]["round_robin"], results["policies"]["prefix_affinity"]
+    targets = {
+        "hit rate >= 2x round_robin": pa["hit_rate"] >= 2 * rr["hit_rate"],
+        "TTFT p95 >= 1.5x lower than round_robin": rr["ttft_p95_ms"] >= 1.5 * pa["ttft_p95_ms"],
+        "prefix_affinity max/mean <= 1.3": pa["imbalance"] <= 1.3,
+        "gateway adds <= 2 ms at p50": o["added_p50_ms"] <= 2.0,
+    }
+    results["targets"] = targets
+    for name, met in targets.items():
+        print(f"  {'met ' if met else 'MISS'} {name}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

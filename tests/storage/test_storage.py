@@ -177,3 +177,68 @@ def test_production_pointer_switches_atomically(tmp_path: Path) -> None:
 def test_slugify() -> None:
     assert slugify("HuggingFaceTB/SmolLM2-135M-Instruct") == "huggingfacetb--smollm2-135m-instruct"
     assert slugify("My Model (v2)") == "my-model-v2"
+
+
+CRASH_BETWEEN_RENAMES = textwrap.dedent(
+    """
+    import os, signal, sys
+    from modelship.storage import Storage
+    storage = Storage(sys.argv[1])
+    artifact = storage.base_dir("m")
+    real_rename = os.rename
+
+    def rename_then_die(src, dst):
+        real_rename(src, dst)
+        if str(src) == str(artifact):  # the old artifact moved aside, the new one not in yet
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.rename = rename_then_die
+    with storage.lock(artifact):
+        with storage.publish(artifact, kind="t", source="s", revision=None,
+                             inputs_hash="v2") as staging:
+            (staging / "v").write_text("2")
+    """
+)
+
+
+def test_writer_killed_between_the_renames_keeps_the_old_artifact(tmp_path: Path) -> None:
+    storage = Storage(tmp_path)
+    artifact = storage.base_dir("m")
+    publish_files(storage, artifact, {"v": b"1"})
+    writer = subprocess.run([sys.executable, "-c", CRASH_BETWEEN_RENAMES, str(tmp_path)])
+    assert writer.returncode == -signal.SIGKILL
+    assert not artifact.exists()  # the crash state: only `.old-base-*` and `.tmp-base-*`
+    names = sorted(p.name for p in artifact.parent.iterdir())
+    assert [n[:9] for n in names if n.startswith(".old-")] == [".old-base"]
+    assert [n[:9] for n in names if n.startswith(".tmp-")] == [".tmp-base"]
+
+    with storage.lock(artifact):  # the next writer recovers before it writes
+        assert (artifact / "v").read_text() == "1"
+        verify_artifact(artifact, full=True)
+    assert sorted(p.name for p in artifact.parent.iterdir()) == [".base.lock", "base"]
+
+    publish_files(storage, artifact, {"v": b"3"})
+    assert (artifact / "v").read_text() == "3"
+    assert sorted(p.name for p in artifact.parent.iterdir()) == [".base.lock", "base"]
+
+
+def test_recovery_leaves_a_sibling_with_a_longer_name_alone(tmp_path: Path) -> None:
+    storage = Storage(tmp_path)
+    artifact = storage.variant_dir("m", "int8")
+    sibling = storage.variant_dir("m", "int8-x")
+    publish_files(storage, artifact, {"v": b"1"})
+    publish_files(storage, sibling, {"v": b"1"})
+    # A writer of `int8-x` in the middle of replacing it (it holds int8-x's lock, not ours).
+    sibling_old = sibling.with_name(".old-int8-x-0123abcd")
+    sibling_staging = sibling.with_name(f".tmp-int8-x-{os.getpid()}-89abcdef")
+    os.rename(sibling, sibling_old)
+    sibling_staging.mkdir()
+
+    publish_files(storage, artifact, {"v": b"2"})
+    assert sibling_old.is_dir() and sibling_staging.is_dir()
+    assert not sibling.exists(), "int8's writer must not restore int8-x's old folder"
+    assert (artifact / "v").read_text() == "2"
+
+    with storage.lock(sibling):  # int8-x's own next writer recovers it
+        assert (sibling / "v").read_text() == "1"
+    assert not sibling_old.exists() and not sibling_staging.exists()

@@ -6,10 +6,12 @@
     <root>/models/<slug>/releases/<n>/          select
     <root>/models/<slug>/production -> releases/<n>
 
-A writer builds an artifact in a temporary sibling (`.tmp-<name>-*`), fsyncs it and renames
-it into place, so a reader sees either nothing or the whole artifact. A lock file beside
-the artifact serializes writers of the same artifact; staging folders left by a writer that
-died are removed by the next writer that holds the lock.
+A writer builds an artifact in a temporary sibling (`.tmp-<name>-<pid>-<hex>`), fsyncs it
+and renames it into place, so a reader sees either nothing or the whole artifact. Replacing
+takes two renames (the old artifact to `.old-<name>-<hex>`, then the staging folder to
+`<name>`). A lock file beside the artifact serializes writers of the same artifact; the next
+writer that holds the lock recovers from one that died: an old artifact whose replacement
+never arrived is renamed back, then leftover staging and old folders are removed.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Storage:
         with open(lock_path, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                _remove_stale_staging(artifact)
+                _recover_dead_writer(artifact)
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
@@ -164,17 +166,35 @@ def _swap_into_place(staging: Path, artifact: Path) -> None:
     if artifact.exists():
         old = artifact.with_name(f".old-{artifact.name}-{uuid.uuid4().hex[:8]}")
         os.rename(artifact, old)
-    os.rename(staging, artifact)
+        # A crash here leaves no `artifact`, only `old`: the next writer renames it back.
+    try:
+        os.rename(staging, artifact)
+    except BaseException:
+        if old is not None:
+            os.rename(old, artifact)
+        raise
     _fsync_dir(artifact.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_stale_staging(artifact: Path) -> None:
-    # Called with the artifact's lock held, so any staging sibling belongs to a dead writer.
-    for prefix in (f".tmp-{artifact.name}-", f".old-{artifact.name}-"):
-        for stale in artifact.parent.glob(f"{prefix}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+def _recover_dead_writer(artifact: Path) -> None:
+    """Recover from a writer of `artifact` that died. Called with the artifact's lock held,
+    so every staging or old folder of this artifact (and only of this one: the patterns
+    match its exact name, not a sibling `<name>-x`) belongs to a dead writer."""
+    name = re.escape(artifact.name)
+    staging_re = re.compile(rf"^\.tmp-{name}-\d+-[0-9a-f]{{8}}$")
+    old_re = re.compile(rf"^\.old-{name}-[0-9a-f]{{8}}$")
+    siblings = list(artifact.parent.iterdir())
+    olds = [p for p in siblings if old_re.match(p.name)]
+    if olds and not os.path.lexists(artifact):
+        # Died between the two renames: the old artifact is the only complete copy.
+        newest = max(olds, key=lambda p: p.lstat().st_ctime_ns)  # a rename sets ctime
+        os.rename(newest, artifact)
+        _fsync_dir(artifact.parent)
+        olds.remove(newest)
+    for stale in [*olds, *(p for p in siblings if staging_re.match(p.name))]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _fsync_tree(folder: Path) -> None:

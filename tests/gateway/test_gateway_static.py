@@ -38,6 +38,8 @@ def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
 class GatewayProcess(ReplicaProcess):
     """`modelship gateway --config ... --endpoint ...` (ReplicaProcess's start/ready/stop)."""
 
+    inherits_socket = False  # the gateway binds --port itself
+
     def __init__(self, tmp_path: Path, endpoints: list[str], gateway: dict) -> None:
         config = tmp_path / "pipeline.yaml"
         config.write_text(yaml.safe_dump({"gateway": gateway}))
@@ -190,3 +192,28 @@ def test_tenant_config_errors_name_the_field_and_never_echo_keys():
     message = str(info.value)
     assert "gateway.tenants.0.api_key_sha256" in message
     assert "sk-very-secret-key" not in message
+
+
+def test_token_id_prompts_are_served_and_odd_prompts_are_400s(
+    replica: ServerProcess, start_gateway
+):
+    gateway = start_gateway([replica.url])
+    for prompt in ([1, 2, 3], [[1, 2, 3], [4, 5]], ["one", "two"]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        response = post(gateway, body, path="/v1/completions")
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        num_prompts = len(prompt) if isinstance(prompt[0], list | str) else 1
+        assert len(answer["choices"]) == num_prompts
+        if prompt == [1, 2, 3]:
+            assert answer["usage"]["prompt_tokens"] == 3
+    for prompt in ([1, "two"], [[1], "two"], [True, 2], [], {"a": 1}, 3, [[1, [2]]]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        response = post(gateway, body, path="/v1/completions")
+        assert response.status_code == 400, (prompt, response.text)
+        assert "prompt" in response.json()["error"]["message"]
+    deep = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = post(gateway, deep, path="/v1/completions")
+    assert response.status_code == 400 and response.json()["error"]["type"]
+    response = post(gateway, chat(stream="yes"))
+    assert response.status_code == 400 and "stream" in response.json()["error"]["message"]

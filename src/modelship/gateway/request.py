@@ -61,7 +61,7 @@ class ParsedRequest:
     model: str
     stream: bool
     max_tokens: int | None
-    input_tokens: int  # estimated from characters: the gateway does not tokenize
+    input_tokens: int  # exact for token ids; for text estimated from its characters
     prefix_text: str
     user: str | None
     session_id: str | None
@@ -90,7 +90,7 @@ class ParsedRequest:
 def parse_request(raw: bytes, path: str, session_id: str | None) -> ParsedRequest:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise GatewayError(400, "We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.")
@@ -102,26 +102,65 @@ def parse_request(raw: bytes, path: str, session_id: str | None) -> ParsedReques
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages: a list of message objects is required.")
         prefix_text = chat_prefix_text(messages)
+        input_tokens = estimate_num_tokens(prefix_text)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            prefix_text = "".join(p if isinstance(p, str) else " " * 4 * len(p) for p in prompt)
-        elif isinstance(prompt, str):
-            prefix_text = prompt
-        else:
-            raise GatewayError(400, "prompt: a string or a list is required.")
+        prompt = read_prompt(body.get("prompt"))
+        prefix_text, input_tokens = prompt.prefix_text, prompt.num_tokens
         max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise GatewayError(400, "max_tokens: must be a positive integer.")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise GatewayError(400, "stream: must be true or false.")
     user = body.get("user")
     return ParsedRequest(
         body=body,
         model=model,
-        stream=bool(body.get("stream")),
+        stream=bool(stream),
         max_tokens=max_tokens,
-        input_tokens=estimate_num_tokens(prefix_text),
+        input_tokens=input_tokens,
         prefix_text=prefix_text,
         user=user if isinstance(user, str) else None,
         session_id=session_id,
     )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A completion's `prompt` as the gateway prices and routes it: `num_tokens` exact for
+    token ids, estimated for text; `prefix_text` the text that prefix affinity hashes."""
+
+    prefix_text: str
+    num_tokens: int
+    num_prompts: int
+
+
+def read_prompt(prompt: object) -> Prompt:
+    """A string, a list of strings, a list of token ids, or a list of such lists (the
+    forms the OpenAI API takes); anything else is a 400. Token ids render as
+    `"id,id,...,"`, so a prompt extending another one renders as an extension of it."""
+    if isinstance(prompt, str):
+        return Prompt(prompt, estimate_num_tokens(prompt), 1)
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) for t in prompt):
+            return Prompt(_token_text(prompt), len(prompt), 1)
+        if all(isinstance(p, str) for p in prompt):
+            text = "".join(prompt)
+            return Prompt(text, sum(estimate_num_tokens(p) for p in prompt), len(prompt))
+        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            text = "".join(_token_text(p) for p in prompt)
+            return Prompt(text, sum(len(p) for p in prompt), len(prompt))
+    raise GatewayError(
+        400,
+        "prompt: a string, a list of strings, a list of token ids or a list of token id "
+        "lists is required.",
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_text(token_ids: list[int]) -> str:
+    return "".join(f"{t}," for t in token_ids)

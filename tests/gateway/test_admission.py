@@ -58,6 +58,20 @@ def test_an_idle_gateway_admits_every_priority() -> None:
     assert not queue.try_admit(Priority.HIGH).ok
 
 
+def test_a_request_holds_a_slot_per_sequence() -> None:
+    queue = AdmissionQueue(AdmissionConfig(max_requests=8, low_priority_fill=0.5))
+    assert queue.try_admit(Priority.HIGH, num_sequences=5).ok
+    assert queue.num_held == 5
+    refused = queue.try_admit(Priority.HIGH, num_sequences=4)
+    assert not refused.ok and refused.reason == "queue_full" and refused.status_code == 503
+    assert queue.try_admit(Priority.HIGH, num_sequences=3).ok
+    queue.release(Priority.HIGH, num_sequences=5)
+    assert queue.num_held == 3
+    never = queue.try_admit(Priority.LOW, num_sequences=5)  # low may hold 4 at most
+    assert not never.ok and never.reason == "too_many_sequences" and never.status_code == 400
+    assert queue.num_held == 3
+
+
 def test_retry_after_header_is_whole_seconds() -> None:
     assert retry_after_header(0.0) == "1"
     assert retry_after_header(0.2) == "1"

@@ -217,3 +217,42 @@ def test_token_id_prompts_are_served_and_odd_prompts_are_400s(
     assert response.status_code == 400 and response.json()["error"]["type"]
     response = post(gateway, chat(stream="yes"))
     assert response.status_code == 400 and "stream" in response.json()["error"]["message"]
+
+
+def test_n_and_stop_are_capped_and_every_sequence_holds_a_slot(
+    replica: ServerProcess, start_gateway
+):
+    small = {"name": "small", "api_key_sha256": hash_api_key("sk-small"), "max_concurrent": 2}
+    gateway = start_gateway(
+        [replica.url],
+        tenants=[*tenants(), small],
+        admission={"max_requests": 4},
+        request_limits={"max_n": 4, "max_stop": 2, "max_stop_chars": 8},
+    )
+    refused = [({"n": 5}, "n"), ({"n": 0}, "n"), ({"n": "2"}, "n"), ({"stop": ["a", "b", "c"]},
+               "stop"), ({"stop": "x" * 9}, "stop"), ({"stop": [1]}, "stop")]  # fmt: skip
+    for extra, field in refused:
+        response = post(gateway, chat(**extra))
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["message"].startswith(f"{field}:")
+    answer = post(gateway, chat(n=4, stop=["a", "b"]))
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 4
+    response = post(gateway, chat(n=3), key="sk-small")  # more than the key's concurrency
+    assert response.status_code == 400 and response.json()["error"]["code"] == "max_concurrent"
+    completion = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2}
+    response = post(gateway, completion, key="sk-small", path="/v1/completions")
+    assert response.status_code == 400  # two prompts x n=2: four sequences
+
+    # A stream of three sequences holds three of the gateway's four slots.
+    headers = {"authorization": f"Bearer {HIGH}"}
+    long_stream = chat(max_tokens=1800, ignore_eos=True, stream=True, n=3)
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{gateway.url}/v1/chat/completions", json=long_stream,
+                    headers=headers) as held,
+    ):  # fmt: skip
+        chunks = held.iter_raw()
+        next(chunks)
+        full = post(gateway, chat(n=2))
+        assert full.status_code == 503 and "at capacity" in full.json()["error"]["message"]
+        assert post(gateway, chat()).status_code == 200

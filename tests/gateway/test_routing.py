@@ -174,6 +174,8 @@ def test_request_size_and_session_key() -> None:
     assert RoutingRequest(prompt_tokens=10, max_tokens=50).num_tokens == 60
     assert RoutingRequest(10, max_tokens=50, estimated_output_tokens=7).num_tokens == 17
     assert RoutingRequest(prompt_tokens=10).num_tokens == 10
+    # Every sequence (n per prompt) generates its own output; the prompt is read once.
+    assert RoutingRequest(10, estimated_output_tokens=7, num_sequences=3).num_tokens == 31
     assert RoutingRequest(1, user="ann", session_id="s1").session_key == "session:s1"
     assert RoutingRequest(1, user="ann").session_key == "user:ann"
     assert RoutingRequest(1).session_key is None

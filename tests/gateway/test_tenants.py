@@ -179,6 +179,18 @@ def test_max_concurrent_and_release() -> None:
     assert limiter.in_flight("acme") == 0
 
 
+def test_every_sequence_takes_a_concurrency_slot() -> None:
+    limiter, tenant = TenantLimiter(), make_tenant(max_concurrent=4)
+    assert admit(limiter, tenant, num_sequences=3).ok
+    assert limiter.in_flight("acme") == 3
+    refused = admit(limiter, tenant, num_sequences=2)
+    assert refused.reason is RefusalReason.MAX_CONCURRENT and refused.status_code == 429
+    never = admit(limiter, tenant, num_sequences=5)  # could never fit: not worth a retry
+    assert never.reason is RefusalReason.MAX_CONCURRENT and never.status_code == 400
+    limiter.release("acme", num_sequences=3)
+    assert admit(limiter, tenant, num_sequences=4).ok
+
+
 def test_token_size_limits() -> None:
     limiter = TenantLimiter()
     tenant = make_tenant(max_input_tokens=100, max_output_tokens=50)

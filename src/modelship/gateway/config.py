@@ -71,6 +71,15 @@ class CanaryJudgeConfig(_Section):
     min_ttft_increase_s: float = Field(default=0.05, ge=0)
 
 
+class RequestLimitsConfig(_Section):
+    """What one request may ask for, checked before it is admitted (the replicas check the
+    same caps): sequences per prompt (`n`) and stop strings."""
+
+    max_n: int = Field(default=16, ge=1)
+    max_stop: int = Field(default=16, ge=1)  # stop strings per request
+    max_stop_chars: int = Field(default=256, ge=1)  # characters per stop string
+
+
 class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -80,6 +89,7 @@ class GatewayConfig(_Section):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     canary: CanaryJudgeConfig = Field(default_factory=CanaryJudgeConfig)
+    request_limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     # Output length assumed for a request before any has finished (token-aware routing).
     initial_output_tokens: int = Field(default=128, ge=0)
 

@@ -77,7 +77,8 @@ class RoutingRequest:
     (`chat_prefix_text`), so conversations sharing only a system prompt can spread out
     while the later turns of one conversation find the replica holding its cache.
     `estimated_output_tokens` comes from an `OutputLengthEstimator`; None means the
-    worst case, `max_tokens`.
+    worst case, `max_tokens`. Each of the `num_sequences` (`n` per prompt) generates its
+    own output.
     """
 
     prompt_tokens: int
@@ -86,14 +87,16 @@ class RoutingRequest:
     user: str | None = None
     session_id: str | None = None  # the x-session-id header
     prefix_text: str = ""
+    num_sequences: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus expected output: what the request adds to `outstanding_tokens`."""
+        """Prompt plus expected output of every sequence: what the request adds to
+        `outstanding_tokens`."""
         output = self.estimated_output_tokens
         if output is None:
             output = self.max_tokens or 0
-        return self.prompt_tokens + output
+        return self.prompt_tokens + self.num_sequences * output
 
     @property
     def session_key(self) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from modelship.gateway.admission import retry_after_header
+from modelship.gateway.config import RequestLimitsConfig
 from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
 
 
@@ -65,10 +66,14 @@ class ParsedRequest:
     prefix_text: str
     user: str | None
     session_id: str | None
+    # Sequences the replica will run at once: `n` per prompt (a completion may list several
+    # prompts). Each holds an admission and a tenant concurrency slot, and is priced.
+    num_sequences: int = 1
 
     def routing_request(self, estimated_output_tokens: int) -> RoutingRequest:
         return RoutingRequest(
             prompt_tokens=self.input_tokens,
+            num_sequences=self.num_sequences,
             max_tokens=self.max_tokens,
             estimated_output_tokens=estimated_output_tokens,
             user=self.user,
@@ -87,7 +92,9 @@ class ParsedRequest:
         return self.prefix_text[:256] or None
 
 
-def parse_request(raw: bytes, path: str, session_id: str | None) -> ParsedRequest:
+def parse_request(
+    raw: bytes, path: str, session_id: str | None, limits: RequestLimitsConfig
+) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -102,28 +109,52 @@ def parse_request(raw: bytes, path: str, session_id: str | None) -> ParsedReques
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages: a list of message objects is required.")
         prefix_text = chat_prefix_text(messages)
-        input_tokens = estimate_num_tokens(prefix_text)
+        prompt = Prompt(prefix_text, estimate_num_tokens(prefix_text), num_prompts=1)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         prompt = read_prompt(body.get("prompt"))
-        prefix_text, input_tokens = prompt.prefix_text, prompt.num_tokens
         max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise GatewayError(400, "max_tokens: must be a positive integer.")
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise GatewayError(400, "stream: must be true or false.")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= limits.max_n:
+        raise GatewayError(400, f"n: must be an integer from 1 to {limits.max_n}.")
+    check_stop(body.get("stop"), limits)
     user = body.get("user")
     return ParsedRequest(
         body=body,
         model=model,
         stream=bool(stream),
         max_tokens=max_tokens,
-        input_tokens=input_tokens,
-        prefix_text=prefix_text,
+        input_tokens=prompt.num_tokens,
+        prefix_text=prompt.prefix_text,
         user=user if isinstance(user, str) else None,
         session_id=session_id,
+        num_sequences=n * prompt.num_prompts,
     )
+
+
+def check_stop(stop: object, limits: RequestLimitsConfig) -> None:
+    """`stop`: absent, one string, or at most `max_stop` strings of at most
+    `max_stop_chars` characters each (every stop string is matched at every step)."""
+    if stop is None:
+        return
+    strings = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(strings, list)
+        or len(strings) > limits.max_stop
+        or not all(isinstance(s, str) and len(s) <= limits.max_stop_chars for s in strings)
+    ):
+        raise GatewayError(
+            400,
+            f"stop: a string or a list of at most {limits.max_stop} strings of at most "
+            f"{limits.max_stop_chars} characters is required.",
+        )
 
 
 @dataclass(frozen=True)

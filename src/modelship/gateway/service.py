@@ -164,7 +164,12 @@ class GatewayService:
             if self.is_draining:
                 raise unavailable("the gateway is shutting down; retry shortly")
             raw = await request.body()
-            parsed = parse_request(raw, request.url.path, request.headers.get("x-session-id"))
+            parsed = parse_request(
+                raw,
+                request.url.path,
+                request.headers.get("x-session-id"),
+                self.config.request_limits,
+            )
             hold = self._admit(tenant, parsed)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
@@ -181,7 +186,7 @@ class GatewayService:
     def _admit(self, tenant: Tenant, parsed: ParsedRequest) -> _Hold:
         now = time.monotonic()
         limit = self.limiter.admit(
-            tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now
+            tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now, parsed.num_sequences
         )
         if not limit.ok:
             reason = str(limit.reason)
@@ -193,16 +198,18 @@ class GatewayService:
                 reason,
                 limit.retry_after_s if limit.status_code == 429 else None,
             )
-        admitted = self.admission.try_admit(tenant.priority)
+        admitted = self.admission.try_admit(tenant.priority, parsed.num_sequences)
         if not admitted.ok:
-            self.limiter.release(tenant.name)
+            self.limiter.release(tenant.name, parsed.num_sequences)
             self.metrics.rejections.labels(tenant.name, admitted.reason or "queue_full").inc()
+            if admitted.status_code == 400:
+                raise GatewayError(400, admitted.message, code=admitted.reason)
             raise unavailable(admitted.message, admitted.retry_after_s or 1.0)
         if limit.max_tokens is not None and parsed.max_tokens is None:
             parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
         parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
         self.metrics.tokens.labels(tenant.name, "input").inc(parsed.input_tokens)
-        return _Hold(self, tenant, time.perf_counter())
+        return _Hold(self, tenant, parsed.num_sequences, time.perf_counter())
 
     def _pick_track(self, parsed: ParsedRequest, request_id: str) -> Track:
         if self.canary_weight <= 0 or not self.pool.has_routable(Track.CANARY):
@@ -265,7 +272,7 @@ class GatewayService:
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         num_output = _usage_completion_tokens(attempt.body) if attempt.status_code == 200 else 0
         if attempt.status_code == 200:
-            self.estimator.observe(num_output)
+            self.estimator.observe(num_output // parsed.num_sequences)  # per sequence
         hold.end(attempt.status_code, attempt.ttft_s, num_output)
         headers = _response_headers(attempt, request_id)
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
@@ -314,7 +321,7 @@ class GatewayService:
             upstream.endpoint.remove_request(num_tokens)
             self._record(upstream, ok=ok, ttft_s=attempt.ttft_s, kind=None if ok else "read")
             if ok:
-                self.estimator.observe(num_events)
+                self.estimator.observe(num_events // hold.num_sequences)
             hold.end(200 if ok else 502, attempt.ttft_s, num_events)
 
         headers = _response_headers(attempt, request_id)
@@ -355,6 +362,7 @@ class _Hold:
 
     service: GatewayService
     tenant: Tenant
+    num_sequences: int
     started_at: float
     upstream: Upstream | None = None
     ended: bool = False
@@ -365,8 +373,8 @@ class _Hold:
         self.ended = True
         service, name = self.service, self.tenant.name
         service.limiter.charge(name, num_output_tokens, time.monotonic())
-        service.limiter.release(name)
-        service.admission.release(self.tenant.priority)
+        service.limiter.release(name, self.num_sequences)
+        service.admission.release(self.tenant.priority, self.num_sequences)
         metrics = service.metrics
         metrics.tokens.labels(name, "output").inc(num_output_tokens)
         release = self.upstream.release if self.upstream else "none"

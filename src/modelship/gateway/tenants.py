@@ -208,8 +208,9 @@ class TenantLimiter:
     """Admits or refuses each tenant's requests against its limits.
 
     Check, then commit: nothing is taken from any bucket unless every check passes. An
-    admitted request holds one concurrency slot until `release`; its output tokens are
-    charged with `charge` (as they stream, or once at the end).
+    admitted request holds one concurrency slot per sequence (`n` per prompt) until
+    `release`; its output tokens are charged with `charge` (as they stream, or once at the
+    end).
     """
 
     def __init__(self, concurrency_retry_after_s: float = 1.0) -> None:
@@ -227,13 +228,17 @@ class TenantLimiter:
         input_tokens: int,
         max_tokens: int | None,
         now: float,
+        num_sequences: int = 1,
     ) -> LimitDecision:
         config = tenant.config
-        refused = self._check_request(config, model, input_tokens, max_tokens)
+        refused = self._check_request(config, model, input_tokens, max_tokens, num_sequences)
         if refused is not None:
             return refused
         usage = self._usage_of(tenant, now)
-        if config.max_concurrent is not None and usage.in_flight >= config.max_concurrent:
+        if (
+            config.max_concurrent is not None
+            and usage.in_flight + num_sequences > config.max_concurrent
+        ):
             return _too_many(
                 RefusalReason.MAX_CONCURRENT,
                 self.concurrency_retry_after_s,
@@ -268,7 +273,7 @@ class TenantLimiter:
             usage.requests.try_take(1, now)
         if usage.tokens is not None:
             usage.tokens.try_take(input_tokens, now)
-        usage.in_flight += 1
+        usage.in_flight += num_sequences
         cap = max_tokens if max_tokens is not None else config.max_output_tokens
         return LimitDecision(ok=True, max_tokens=cap)
 
@@ -278,11 +283,11 @@ class TenantLimiter:
         if usage is not None and usage.tokens is not None and num_output_tokens > 0:
             usage.tokens.debit(num_output_tokens, now)
 
-    def release(self, tenant_name: str) -> None:
-        """Free the concurrency slot of an admitted request, however it ended."""
+    def release(self, tenant_name: str, num_sequences: int = 1) -> None:
+        """Free the concurrency slots of an admitted request, however it ended."""
         usage = self._usage.get(tenant_name)
         if usage is not None:
-            usage.in_flight = max(0, usage.in_flight - 1)
+            usage.in_flight = max(0, usage.in_flight - num_sequences)
 
     def _usage_of(self, tenant: Tenant, now: float) -> _TenantUsage:
         usage = self._usage.get(tenant.name)
@@ -297,9 +302,21 @@ class TenantLimiter:
 
     @staticmethod
     def _check_request(
-        config: TenantConfig, model: str, input_tokens: int, max_tokens: int | None
+        config: TenantConfig,
+        model: str,
+        input_tokens: int,
+        max_tokens: int | None,
+        num_sequences: int,
     ) -> LimitDecision | None:
         """The limits that no waiting can fix."""
+        if config.max_concurrent is not None and num_sequences > config.max_concurrent:
+            return LimitDecision(
+                ok=False,
+                reason=RefusalReason.MAX_CONCURRENT,
+                status_code=400,
+                message=f"the request asks for {num_sequences} sequences at once; "
+                f"this key allows at most {config.max_concurrent} concurrent",
+            )
         if config.allowed_models is not None and model not in config.allowed_models:
             return LimitDecision(
                 ok=False,

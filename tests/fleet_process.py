@@ -81,8 +81,11 @@ class UpProcess:
 
     @staticmethod
     def replica_url(replica: psutil.Process) -> str:
-        args = replica.cmdline()
-        return f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+        """The replica's address: the port it listens on (inherited, so not on its cmdline)."""
+        for conn in replica.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN:
+                return f"http://127.0.0.1:{conn.laddr.port}"
+        raise AssertionError(f"replica {replica.pid} listens on no TCP port")
 
     def replicas(self) -> list[psutil.Process]:
         """The replica processes (`modelship serve` children of the fleet)."""

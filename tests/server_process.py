@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
-from modelship.server.process import ReplicaProcess, free_port
+from modelship.server.process import ReplicaProcess
 
 
 class ServerProcess(ReplicaProcess):
     def __init__(self, model_dir: Path, *args: str, timeout_s: float = 120.0) -> None:
-        port = free_port()
-        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"modelship-serve-{port}.log"
-        super().__init__(model_dir, *args, log_path=log_path, port=port)
+        name = f"modelship-serve-{uuid.uuid4().hex[:8]}.log"
+        super().__init__(model_dir, *args, log_path=Path(os.environ.get("TMPDIR", "/tmp")) / name)
         self.wait_ready(timeout_s)
 
     def log(self) -> str:

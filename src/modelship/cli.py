@@ -129,6 +129,13 @@ def serve(
     grace_period: Annotated[
         float, typer.Option(help="Seconds to finish requests on SIGTERM.")
     ] = 30.0,
+    fd: Annotated[
+        int | None,
+        typer.Option(
+            help="Listen on this inherited, already bound socket instead of --host/--port "
+            "(a parent process that chose the port hands it over without a race)."
+        ),
+    ] = None,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
     from modelship.engine import EngineConfig
@@ -152,6 +159,7 @@ def serve(
         fail(str(exc), exit_code(exc))
         return
     import logging
+    import socket
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -165,6 +173,7 @@ def serve(
         variant=variant,
         grace_period_s=grace_period,
         engine_config=config,
+        sock=socket.socket(fileno=fd) if fd is not None else None,
     )
 
 

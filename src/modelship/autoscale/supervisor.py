@@ -64,6 +64,7 @@ class ManagedReplica:
     track: Track
     spec: ReleaseSpec
     process: ReplicaProcess
+    started_at: float  # on the supervisor's clock, like every `now` it compares with
     state: ReplicaState = ReplicaState.STARTING
     drain_started_at: float | None = None
     terminate_sent: bool = False
@@ -159,8 +160,10 @@ class Supervisor:
                 self._crashed(replica, now)
             elif is_ready:
                 self._became_ready(replica, now)
-            elif now - replica.process.started_at > self.config.replica_start_timeout_s:
-                logger.error("%s not ready after %.0fs", replica.replica_id, now)
+            elif now - replica.started_at > self.config.replica_start_timeout_s:
+                logger.error(
+                    "%s not ready after %.0fs", replica.replica_id, now - replica.started_at
+                )
                 replica.process.kill()
                 self._crashed(replica, now)
         for replica in list(self.replicas):
@@ -179,7 +182,7 @@ class Supervisor:
 
     def _became_ready(self, replica: ManagedReplica, now: float) -> None:
         replica.state = ReplicaState.READY
-        seconds = now - replica.process.started_at
+        seconds = now - replica.started_at
         state = self.tracks[replica.track]
         state.num_crashes = 0
         state.time_to_ready_s.append(seconds)
@@ -260,8 +263,9 @@ class Supervisor:
     def start(self, track: Track, spec: ReleaseSpec) -> ManagedReplica:
         self._num_started += 1
         replica_id = f"replica-{self._num_started}"
+        started_at = self.clock()
         process = self.launch(spec, replica_id)
-        replica = ManagedReplica(replica_id, track, spec, process)
+        replica = ManagedReplica(replica_id, track, spec, process, started_at)
         self.replicas.append(replica)
         logger.info("starting %s (%s, release %d) on %s", replica_id, track, spec.release,
                     process.url)  # fmt: skip

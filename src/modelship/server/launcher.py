@@ -9,6 +9,7 @@ exits 0. A second signal exits at once.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -53,8 +54,10 @@ def serve(
     variant: str = "base",
     grace_period_s: float = 30.0,
     engine_config: EngineConfig | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Load the model, warm it up, serve until drained."""
+    """Load the model, warm it up, serve until drained. With `sock` (a bound socket handed
+    over by the parent process), listen on it instead of binding `host`/`port`."""
     engine = AsyncLLMEngine.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
     app = create_app(engine, name, variant=variant, api_key=api_key)
@@ -66,4 +69,8 @@ def serve(
         timeout_graceful_shutdown=5,
         access_log=False,
     )
-    DrainingServer(config, app.state.server, grace_period_s).run()
+    if sock is not None:
+        logger.info("listening on %s:%d (inherited socket)", *sock.getsockname()[:2])
+    DrainingServer(config, app.state.server, grace_period_s).run(
+        sockets=[sock] if sock is not None else None
+    )

@@ -7,11 +7,13 @@ one, the fleet supervisor runs its replicas with it, tests start one per module.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,22 +24,55 @@ class ReplicaStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now; another process may take it before the caller binds it (tests of
+    addresses where nothing listens). `ReplicaProcess` passes its child a bound socket."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _term_with_parent() -> None:
-    """In the child before exec: SIGTERM (a drain) when the parent dies, even by kill -9,
-    so a crashed fleet supervisor leaves no orphan replicas holding ports and memory."""
+def bind_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening yet: connections are refused until
+    the process that inherits it listens. Port 0 picks a free port, with no race."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def parent_death_signal(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets `sig` when its parent dies, even by kill -9, so a
+    crashed supervisor or `select` leaves no orphan replica holding a port and memory.
+
+    Linux sends it when the thread that forked the child exits: fork from a thread that
+    outlives the child."""
     import ctypes
 
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    parent_pid = os.getpid()
+
+    def set_death_signal() -> None:
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return set_death_signal
 
 
 class ReplicaProcess:
-    """One `modelship serve MODEL_DIR` child; `args` are extra serve flags."""
+    """One `modelship serve MODEL_DIR` child; `args` are extra serve flags.
+
+    The parent binds the listening socket (port 0: any free port) and the child inherits
+    it (`--fd`), so the port is known at once and no other process can take it between
+    choosing and binding. A subclass whose command binds its own port sets
+    `inherits_socket = False`."""
+
+    inherits_socket = True
 
     def __init__(
         self,
@@ -51,7 +86,11 @@ class ReplicaProcess:
         self.model_dir = Path(model_dir)
         self.args = list(args)
         self.host = host
-        self.port = port or free_port(host)
+        self._socket = bind_socket(host, port or 0) if self.inherits_socket else None
+        if self._socket is not None:
+            self.port = self._socket.getsockname()[1]
+        else:
+            self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,16 +98,22 @@ class ReplicaProcess:
         command = self.command()
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
-        self.process = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_term_with_parent if die_with_parent else None,
-        )
+        try:
+            self.process = subprocess.Popen(
+                command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(self._socket.fileno(),) if self._socket is not None else (),
+                preexec_fn=parent_death_signal() if die_with_parent else None,
+            )
+        finally:
+            if self._socket is not None:
+                self._socket.close()  # the child holds the port now
 
     def command(self) -> list[str]:
+        assert self._socket is not None
         return [sys.executable, "-m", "modelship", "serve", str(self.model_dir),
-                "--host", self.host, "--port", str(self.port), *self.args]  # fmt: skip
+                "--fd", str(self._socket.fileno()), *self.args]  # fmt: skip
 
     @property
     def pid(self) -> int:

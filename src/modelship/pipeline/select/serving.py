@@ -70,9 +70,14 @@ def measure_serving(
     output_tokens: int,
     seed: int = 7,
 ) -> ServingResult:
+    # Dies with us: a kill -9 of `select` must not leave a replica holding memory and a port.
     replica = ReplicaProcess(
-        variant_dir, "--served-model-name", SERVED_NAME, *serve_args, log_path=log_path
-    )
+        variant_dir,
+        "--served-model-name", SERVED_NAME,
+        *serve_args,
+        log_path=log_path,
+        die_with_parent=True,
+    )  # fmt: skip
     try:
         startup = replica.wait_ready()
         prompts = make_prompts(

@@ -131,9 +131,13 @@ class Fleet:
     def replica_urls(self) -> list[str]:
         urls = []
         for child in psutil.Process(self.process.pid).children():
-            args = child.cmdline()
-            if "serve" in args:
-                urls.append(f"http://127.0.0.1:{args[args.index('--port') + 1]}")
+            if "serve" in child.cmdline():  # its port is an inherited socket, not an argument
+                ports = [
+                    c.laddr.port
+                    for c in child.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_LISTEN
+                ]
+                urls += [f"http://127.0.0.1:{port}" for port in ports]
         return urls
 
     def stop(self) -> None:

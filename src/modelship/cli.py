@@ -110,7 +110,12 @@ def serve(
         str | None, typer.Option(help="Model name clients use (default: the folder name).")
     ] = None,
     api_key: Annotated[
-        str | None, typer.Option(envvar="MODELSHIP_API_KEY", help="Require this bearer key.")
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_API_KEY",
+            help="Require this bearer key. Prefer the environment variable: every user "
+            "can read a command line (ps).",
+        ),
     ] = None,
     variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",

@@ -65,14 +65,13 @@ class LocalFleet:
             "--variant", spec.variant,
             "--grace-period", str(serve.grace_period_s),
         ]  # fmt: skip
-        if serve.api_key:
-            args += ["--api-key", serve.api_key]
         return ReplicaProcess(
             spec.model_dir,
             *args,
             log_path=self.log_dir / f"{replica_id}.log",
             host="127.0.0.1",
             die_with_parent=True,
+            api_key=serve.api_key,  # in its environment: `ps` shows a command line to all
         )
 
     def release_spec(self, release: int) -> ReleaseSpec:

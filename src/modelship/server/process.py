@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+API_KEY_ENV = "MODELSHIP_API_KEY"  # `modelship serve` reads its key from here
+
 
 class ReplicaStartError(RuntimeError):
     """The server exited or did not become ready; the message ends with its log's tail."""
@@ -70,7 +72,11 @@ class ReplicaProcess:
     The parent binds the listening socket (port 0: any free port) and the child inherits
     it (`--fd`), so the port is known at once and no other process can take it between
     choosing and binding. A subclass whose command binds its own port sets
-    `inherits_socket = False`."""
+    `inherits_socket = False`.
+
+    `api_key` (the key the replica requires) travels in the child's environment, which only
+    its user can read, never on its command line, which `ps` shows to everyone. None: no
+    key, even when this process has one in its own environment."""
 
     inherits_socket = True
 
@@ -82,6 +88,7 @@ class ReplicaProcess:
         port: int | None = None,
         host: str = "127.0.0.1",
         die_with_parent: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.args = list(args)
@@ -98,11 +105,15 @@ class ReplicaProcess:
         command = self.command()
         self.started_at = time.monotonic()
         self.ready_at: float | None = None
+        env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+        if api_key:
+            env[API_KEY_ENV] = api_key
         try:
             self.process = subprocess.Popen(
                 command,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
+                env=env,
                 pass_fds=(self._socket.fileno(),) if self._socket is not None else (),
                 preexec_fn=parent_death_signal() if die_with_parent else None,
             )
@@ -166,7 +177,8 @@ class ReplicaProcess:
         return None
 
     def log_tail(self, lines: int = 30) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def terminate(self) -> None:

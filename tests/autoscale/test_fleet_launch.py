@@ -1,0 +1,52 @@
+"""How `modelship up` starts a replica: the real launcher the supervisor calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from modelship.autoscale.fleet import LocalFleet
+from modelship.config import ModelshipConfig
+from modelship.storage import Storage
+
+from fleet_storage import publish_release
+
+pytestmark = pytest.mark.timeout(180)
+
+SLUG = "tiny"
+REPLICA_KEY = "sk-replica-secret-4f1c"
+
+
+def test_the_replica_key_is_in_the_environment_not_on_the_command_line(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = Storage(tmp_path / "storage")
+    release = publish_release(storage, SLUG, tiny_llama_dir, "fp16")
+    storage.set_production(SLUG, release)
+    config = ModelshipConfig.from_dict(
+        {
+            "serve": {
+                "api_key": REPLICA_KEY,
+                "engine": {"max_model_len": 256, "kv_cache_memory_mb": 16},
+            }
+        }
+    )
+    monkeypatch.setenv("MODELSHIP_API_KEY", "sk-not-this-one")  # ours must not leak through
+    fleet = LocalFleet(config, storage, SLUG)
+    replica = fleet._launch(fleet.release_spec(release), "replica-1")  # what the supervisor runs
+    try:
+        cmdline = Path(f"/proc/{replica.pid}/cmdline").read_bytes()
+        assert b"modelship" in cmdline and b"serve" in cmdline
+        assert REPLICA_KEY.encode() not in cmdline
+        assert b"--api-key" not in cmdline
+        replica.wait_ready(120)
+        models = f"{replica.url}/v1/models"
+        assert httpx.get(models, timeout=10).status_code == 401
+        wrong = {"authorization": "Bearer sk-not-this-one"}
+        assert httpx.get(models, headers=wrong, timeout=10).status_code == 401
+        right = {"authorization": f"Bearer {REPLICA_KEY}"}
+        assert httpx.get(models, headers=right, timeout=10).status_code == 200
+    finally:
+        assert replica.stop() == 0, replica.log_tail()

@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from modelship.gateway.canary import CanaryJudge, Track, in_canary
-from modelship.gateway.config import CanaryJudgeConfig
+from modelship.gateway.config import CanaryJudgeConfig, GatewayConfig, RequestLimitsConfig
+from modelship.gateway.pool import EndpointPool
+from modelship.gateway.request import parse_request
+from modelship.gateway.service import GatewayService
+from modelship.gateway.tenants import Tenant, TenantConfig, hash_api_key
 from modelship.gateway.traffic import end_canary, promote_canary, read_traffic, start_canary
 from modelship.pipeline.errors import PipelineError
 from modelship.storage import Storage
@@ -133,3 +137,26 @@ def test_release_plan_refuses_bad_canaries(storage: Storage, release, weight, me
 def test_promote_without_canary_is_an_error(storage: Storage):
     with pytest.raises(PipelineError, match="no canary"):
         promote_canary(storage, "m")
+
+
+def test_a_client_cannot_choose_its_track_by_session_id():
+    config = GatewayConfig()
+    pool = EndpointPool(config.resilience)
+    pool.add("stable-0", "http://127.0.0.1:1", Track.STABLE, "1")
+    pool.add("canary-0", "http://127.0.0.1:2", Track.CANARY, "2")
+    service = GatewayService(config, pool, canary_weight=30)
+    tenant = Tenant("acme", TenantConfig(name="acme", api_key_sha256=hash_api_key("sk-acme")))
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+    def track(session_id: str, gateway: GatewayService = service) -> Track:
+        parsed = parse_request(body, "/v1/chat/completions", session_id, RequestLimitsConfig())
+        return gateway.pick_track(parsed, tenant, "request-id")
+
+    # Session ids a client picked because the public hash puts them on the canary.
+    aimed = [s for s in (f"s{i}" for i in range(400)) if in_canary(f"session:{s}", 30)][:20]
+    assert len(aimed) == 20
+    tracks = [track(s) for s in aimed]
+    assert tracks.count(Track.CANARY) < 20  # about 30% land there, as any session would
+    assert [track(s) for s in aimed] == tracks  # still sticky
+    other = GatewayService(config, pool, canary_weight=30)  # another secret, another split
+    assert [track(s, other) for s in aimed] != tracks

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from modelship.config import ConfigError, ModelshipConfig
 from modelship.gateway import hash_api_key
@@ -256,3 +257,58 @@ def test_n_and_stop_are_capped_and_every_sequence_holds_a_slot(
         full = post(gateway, chat(n=2))
         assert full.status_code == 503 and "at capacity" in full.json()["error"]["message"]
         assert post(gateway, chat()).status_code == 200
+
+
+def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    text = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def wait_until_idle(gateway: GatewayProcess) -> None:
+    deadline = time.monotonic() + 30
+    while metric(gateway, "modelship_gateway_queue_length") > 0:
+        assert time.monotonic() < deadline, "the gateway still holds requests"
+        time.sleep(0.05)
+
+
+def test_only_replica_faults_open_the_breaker(replica: ServerProcess, start_gateway):
+    # One failure would open the breaker, and with one replica every later request is a 503.
+    gateway = start_gateway([replica.url], resilience={"breaker_failure_threshold": 1})
+    url = f"{gateway.url}/v1/chat/completions"
+    headers = {"authorization": f"Bearer {HIGH}"}
+    long_answer = chat(max_tokens=1800, ignore_eos=True)
+    # A client hanging up mid-stream...
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", url, json={**long_answer, "stream": True}, headers=headers) as s,
+    ):
+        next(s.iter_raw())
+    # ... and one giving up on a long non-streaming answer.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=long_answer, headers=headers, timeout=httpx.Timeout(60, read=0.3))
+    wait_until_idle(gateway)
+    assert metric(gateway, "modelship_gateway_requests_total", status="499") == 2
+    # A request the replica refuses as bad input.
+    assert post(gateway, chat(temperature=-3)).status_code == 400
+
+    assert metric(gateway, "modelship_gateway_breaker_opened_total") == 0
+    assert metric(gateway, "modelship_gateway_upstream_failures_total") == 0
+    assert metric(gateway, "modelship_gateway_breaker_state", state="closed") == 1
+    assert post(gateway, chat()).status_code == 200
+
+
+def test_a_long_answer_is_not_cut_by_the_first_byte_timeout(replica: ServerProcess, start_gateway):
+    # A non-streaming answer's first byte comes when generation ends: only the request
+    # timeout bounds it.
+    gateway = start_gateway(
+        [replica.url], resilience={"first_byte_timeout_s": 0.05, "request_timeout_s": 120}
+    )
+    response = post(gateway, chat(max_tokens=600, ignore_eos=True))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 600

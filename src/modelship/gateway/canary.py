@@ -23,12 +23,13 @@ class Track(StrEnum):
     CANARY = "canary"
 
 
-def in_canary(key: str, weight: int) -> bool:
+def in_canary(key: str, weight: int, secret: bytes = b"") -> bool:
     """Whether `key` falls in the canary's `weight` percent. Sticky: the same key always
-    lands on the same side, and raising the weight only moves keys from stable to canary."""
+    lands on the same side, and raising the weight only moves keys from stable to canary.
+    With a `secret` (at most 64 bytes) the side cannot be computed without it."""
     if weight <= 0:
         return False
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest()
     return int.from_bytes(digest, "big") % 10_000 < weight * 100
 
 

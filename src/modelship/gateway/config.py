@@ -58,8 +58,13 @@ class ResilienceConfig(_Section):
 
 
 class CanaryJudgeConfig(_Section):
-    """When a canary is rolled back on its own: compared with stable over `window_s`."""
+    """How traffic is split, and when a canary is rolled back on its own: compared with
+    stable over `window_s`."""
 
+    # Keys the sticky split (tenant + session), so no client can compute which session id
+    # lands on which track. Unset: a random one per gateway process (set one shared value
+    # when several gateways must split a session the same way).
+    split_secret: str | None = Field(default=None, min_length=16)
     auto_rollback: bool = True
     window_s: float = Field(default=120.0, gt=0)
     min_requests: int = Field(default=20, ge=1)  # per track, before judging at all

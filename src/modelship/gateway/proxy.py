@@ -4,6 +4,10 @@ An attempt is one replica tried once. An attempt that fails before any byte reac
 client (refused connection, 503, a replica that died before answering) is retried on the
 next candidate, after a jittered backoff, up to `max_attempts`. Once the first byte is
 out, the response is the client's: a stream that breaks ends with an error event.
+
+Only the replica's faults are failures (a 5xx, a broken connection, silence past the read
+timeout): a 4xx is the request's own fault and a client hanging up is the client's, so
+neither may open a breaker, eject a replica or roll a canary back.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 
@@ -61,13 +66,15 @@ async def send_attempt(
     content: bytes,
     headers: dict[str, str],
     stream: bool,
-    first_byte_timeout_s: float,
+    read_timeout_s: float,
     connect_timeout_s: float,
     started_at: float,
 ) -> Attempt:
     """POST to one replica. A stream's status and first chunk are read before returning,
-    so a replica that fails before its first token is still a retryable failure."""
-    timeout = httpx.Timeout(first_byte_timeout_s, connect=connect_timeout_s)
+    so a replica that fails before its first token is still a retryable failure.
+    `read_timeout_s` bounds each wait for bytes: a stream's first token, or a whole
+    non-streaming answer (which arrives only once generation ends)."""
+    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
     request = client.build_request(
         "POST", upstream.url + path, content=content, headers=headers, timeout=timeout
     )
@@ -110,30 +117,48 @@ def error_event(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+class StreamEnd(StrEnum):
+    """How a stream ended; only `REPLICA_FAILED` is the replica's fault."""
+
+    COMPLETE = "complete"
+    REPLICA_FAILED = "replica_failed"  # the connection broke, or the replica fell silent
+    TIMED_OUT = "timed_out"  # the request's own deadline (`request_timeout_s`) passed
+    CLIENT_GONE = "client_gone"  # the client hung up: cancelled mid-stream
+
+    @property
+    def status_code(self) -> int:
+        """The status the request is recorded with (499: client closed the request)."""
+        return {"complete": 200, "replica_failed": 502, "timed_out": 504}.get(self, 499)
+
+
 async def pump(
     attempt: Attempt,
     deadline: float,
-    on_end: Callable[[bool, int], None],
+    on_end: Callable[[StreamEnd, int], None],
 ) -> AsyncIterator[bytes]:
-    """Yield a streaming attempt's bytes to the client; `on_end(ok, num_events)` runs once
-    however the stream ends (finished, replica failed, client gone)."""
+    """Yield a streaming attempt's bytes to the client; `on_end(how, num_events)` runs
+    once however the stream ends (finished, replica failed, deadline, client gone)."""
     assert attempt.response is not None and attempt.chunks is not None
     response = attempt.response
     num_events = count_events(attempt.first_chunk)
-    ok = False
+    # Anything else that ends the generator (cancelled, or closed at a yield) is the
+    # client going away.
+    how = StreamEnd.CLIENT_GONE
     try:
         yield attempt.first_chunk
         async with asyncio.timeout_at(deadline):
             async for chunk in attempt.chunks:
                 num_events += count_events(chunk)
                 yield chunk
-        ok = True
+        how = StreamEnd.COMPLETE
     except (httpx.HTTPError, TimeoutError) as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        how = StreamEnd.TIMED_OUT if timed_out else StreamEnd.REPLICA_FAILED
         what = "timed out" if isinstance(exc, TimeoutError | httpx.TimeoutException) else "failed"
         yield error_event(f"the replica {what} during the stream; the response is incomplete")
     finally:
         await response.aclose()
-        on_end(ok, num_events)
+        on_end(how, num_events)
 
 
 def raise_for_final(attempt: Attempt) -> None:

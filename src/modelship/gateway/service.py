@@ -2,14 +2,19 @@
 
 One `GatewayService` per gateway process. Every request that gets past authentication
 holds a tenant concurrency slot and an admission slot until its response ends, however it
-ends; `_Hold.end` gives both back exactly once and records the request's metrics.
+ends; `_Hold.end` gives both back exactly once and records the request's metrics. A client
+that hangs up ends its request at once (status 499): the replica's work is cancelled and
+nothing is held for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -26,7 +31,7 @@ from modelship.gateway.config import GatewayConfig
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
-from modelship.gateway.proxy import Attempt, pump, raise_for_final, send_attempt
+from modelship.gateway.proxy import Attempt, StreamEnd, pump, raise_for_final, send_attempt
 from modelship.gateway.request import (
     GatewayError,
     ParsedRequest,
@@ -89,6 +94,8 @@ class GatewayService:
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
         self.judge = CanaryJudge(config.canary)
         self.canary_weight = canary_weight
+        secret = config.canary.split_secret
+        self.split_secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
         # Called once when the judge rolls the canary back (the fleet ends it on storage).
         self.on_canary_rollback: Callable[[Verdict], None] | None = None
         self.upstream_headers = {"content-type": "application/json"}
@@ -175,13 +182,35 @@ class GatewayService:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
             return error.response(request_id)
         try:
-            return await self._forward(request.url.path, parsed, hold, request_id)
+            return await self._forward_while_connected(request, parsed, tenant, hold, request_id)
         except GatewayError as error:
             hold.end(error.status_code, None, 0)
             return error.response(request_id)
         except BaseException:
             hold.end(500, None, 0)
             raise
+
+    async def _forward_while_connected(
+        self, request: Request, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
+    ) -> Response:
+        """`_forward`, cancelled if the client hangs up before the response starts (once a
+        stream is under way, Starlette cancels it the same way)."""
+        forward = asyncio.ensure_future(
+            self._forward(request.url.path, parsed, tenant, hold, request_id)
+        )
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not forward.done():
+                forward.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await forward
+                hold.end(499, None, 0)
+        if forward.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return forward.result()
 
     def _admit(self, tenant: Tenant, parsed: ParsedRequest) -> _Hold:
         now = time.monotonic()
@@ -211,11 +240,15 @@ class GatewayService:
         self.metrics.tokens.labels(tenant.name, "input").inc(parsed.input_tokens)
         return _Hold(self, tenant, parsed.num_sequences, time.perf_counter())
 
-    def _pick_track(self, parsed: ParsedRequest, request_id: str) -> Track:
+    def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
+        """The tenant's session (or user, or conversation) stays on one side of the split.
+        The key is hashed with the gateway's secret: a client choosing its session id
+        cannot aim at (or away from) the canary."""
         if self.canary_weight <= 0 or not self.pool.has_routable(Track.CANARY):
             return Track.STABLE
-        key = parsed.sticky_key or request_id
-        return Track.CANARY if in_canary(key, self.canary_weight) else Track.STABLE
+        key = f"{tenant.name}\n{parsed.sticky_key or request_id}"
+        in_split = in_canary(key, self.canary_weight, self.split_secret)
+        return Track.CANARY if in_split else Track.STABLE
 
     def _candidates(self, track: Track, routing: RoutingRequest) -> list[Upstream]:
         try:
@@ -229,10 +262,10 @@ class GatewayService:
         return [u for e in chosen if (u := self.pool.get(e.endpoint_id)) is not None]
 
     async def _forward(
-        self, path: str, parsed: ParsedRequest, hold: _Hold, request_id: str
+        self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
     ) -> Response:
         resilience = self.config.resilience
-        track = self._pick_track(parsed, request_id)
+        track = self.pick_track(parsed, tenant, request_id)
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
         candidates = self._candidates(track, routing)
@@ -288,6 +321,11 @@ class GatewayService:
         num_tokens: int,
     ) -> Attempt:
         resilience = self.config.resilience
+        # A non-streaming answer comes only when generation ends: it may take as long as
+        # the request may.
+        read_timeout_s = (
+            resilience.first_byte_timeout_s if parsed.stream else resilience.request_timeout_s
+        )
         upstream.endpoint.add_request(num_tokens)
         try:
             attempt = await send_attempt(
@@ -297,17 +335,21 @@ class GatewayService:
                 content,
                 headers,
                 parsed.stream,
-                resilience.first_byte_timeout_s,
+                read_timeout_s,
                 resilience.connect_timeout_s,
                 hold.started_at,
             )
-        except BaseException:
+        except BaseException:  # cancelled (client gone, deadline): nobody's fault
             upstream.endpoint.remove_request(num_tokens)
             raise
         if attempt.failure is not None:
             upstream.endpoint.remove_request(num_tokens)
             self._record(upstream, ok=False, ttft_s=None, kind=str(attempt.failure.kind))
-        elif not (parsed.stream and attempt.status_code == 200):
+        elif attempt.status_code >= 400:
+            # The request's own fault (bad input, over a limit): the replica is fine, but
+            # its quick refusal says nothing about how fast it serves.
+            self._record(upstream, ok=True, ttft_s=None, judge=False)
+        elif not parsed.stream:
             self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
         # A stream in progress is recorded when it ends (it may still break).
         return attempt
@@ -317,22 +359,36 @@ class GatewayService:
     ) -> StreamingResponse:
         upstream = attempt.upstream
 
-        def on_end(ok: bool, num_events: int) -> None:
+        def on_end(how: StreamEnd, num_events: int) -> None:
             upstream.endpoint.remove_request(num_tokens)
-            self._record(upstream, ok=ok, ttft_s=attempt.ttft_s, kind=None if ok else "read")
-            if ok:
+            if how is StreamEnd.COMPLETE:
+                self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
                 self.estimator.observe(num_events // hold.num_sequences)
-            hold.end(200 if ok else 502, attempt.ttft_s, num_events)
+            elif how is StreamEnd.REPLICA_FAILED:
+                self._record(upstream, ok=False, ttft_s=attempt.ttft_s, kind="read")
+            # A client hanging up or a request past its own deadline says nothing about
+            # the replica.
+            hold.end(how.status_code, attempt.ttft_s, num_events)
 
         headers = _response_headers(attempt, request_id)
         return StreamingResponse(pump(attempt, deadline, on_end), headers=headers)
 
-    def _record(self, upstream: Upstream, ok: bool, ttft_s: float | None, kind: str | None = None):
+    def _record(
+        self,
+        upstream: Upstream,
+        ok: bool,
+        ttft_s: float | None,
+        kind: str | None = None,
+        judge: bool = True,
+    ) -> None:
+        """One replica result: `ok=False` only for the replica's own faults."""
         if self.pool.record_result(upstream, ok):
             logger.warning("circuit breaker opened for %s", upstream.endpoint_id)
             self.metrics.breaker_opened.labels(upstream.endpoint_id, upstream.release).inc()
         if not ok:
             self.metrics.upstream_failures.labels(upstream.release, upstream.variant, kind).inc()
+        if not judge:
+            return
         self.judge.record(upstream.track, ok, ttft_s)
         if upstream.track is Track.CANARY:
             self._judge_canary()
@@ -383,6 +439,12 @@ class _Hold:
         metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
         if ttft_s is not None and status_code < 500:
             metrics.ttft.labels(release, variant).observe(ttft_s)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (its body was read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _response_headers(attempt: Attempt, request_id: str) -> dict[str, str]:

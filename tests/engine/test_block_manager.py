@@ -12,8 +12,8 @@ from modelship.engine.sampling_params import SamplingParams
 from modelship.engine.sequence import Sequence
 
 
-def seq(tokens: list[int], name: str = "s") -> Sequence:
-    return Sequence(name, tokens, SamplingParams(max_tokens=4))
+def seq(tokens: list[int], name: str = "s", salt: str | None = None) -> Sequence:
+    return Sequence(name, tokens, SamplingParams(max_tokens=4), cache_salt=salt)
 
 
 def run_prompt(manager: BlockManager, s: Sequence) -> None:
@@ -97,6 +97,75 @@ def test_can_allocate_counts_free_hit_blocks() -> None:
     assert manager.can_allocate(b, 2, computed)
     c = seq([1, 2, 3, 4, 6, 7, 8, 9], "c")  # would need 4 blocks
     assert not manager.can_allocate(c, 4, manager.get_computed_blocks(c))
+
+
+def test_different_salts_never_share_blocks_and_the_same_salt_does() -> None:
+    manager = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(10))  # two full blocks, then a partial one
+    a = seq(prompt, "a", salt="tenant:alpha")
+    run_prompt(manager, a)
+    assert a.block_table == [0, 1, 2]
+
+    b = seq(prompt, "b", salt="tenant:beta")  # the same tokens, another tenant
+    assert manager.get_computed_blocks(b).num_tokens == 0
+    run_prompt(manager, b)
+    assert b.block_table == [3, 4, 5] and b.num_cached_tokens == 0
+    assert manager.get_computed_blocks(seq(prompt, "u")).num_tokens == 0  # nor unsalted
+
+    a2 = seq([*prompt[:8], 99, 98], "a2", salt="tenant:alpha")
+    computed = manager.get_computed_blocks(a2)
+    assert computed.block_ids == [0, 1] and computed.num_tokens == 8
+    run_prompt(manager, a2)
+    assert a2.block_table[:2] == [0, 1] and a2.num_cached_tokens == 8
+    # Every hash of the chain differs, not only the first block's.
+    assert not set(a.block_hashes) & set(b.block_hashes)
+    assert a2.block_hashes == a.block_hashes
+    manager.check_tables([a, b, a2])
+    manager.check_integrity()
+
+    for s in (a, b, a2):
+        manager.free(s)
+    b2 = seq(prompt, "b2", salt="tenant:beta")  # freed but still cached: beta's own blocks
+    assert manager.get_computed_blocks(b2).block_ids == [3, 4]
+
+
+def test_the_salt_root_is_the_same_in_every_process() -> None:
+    assert bm_module.root_hash(None) is None
+    assert bm_module.root_hash("tenant:alpha") == 0xA6098CB4A2DF18C9  # sha256, not hash(str)
+    assert bm_module.root_hash("tenant:alpha") != bm_module.root_hash("tenant:beta")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([None, "x", "y"]), st.integers(0, 1), st.integers(1, 9)),
+        max_size=30,
+    )
+)
+def test_blocks_are_only_ever_shared_within_one_salt(ops) -> None:
+    manager = BlockManager(num_blocks=40, block_size=4)
+    live: list[Sequence] = []
+    owner: dict[int, str | None] = {}  # block id -> the salt of the sequence that filled it
+    for n, (salt, prefix_kind, length) in enumerate(ops):
+        s = seq([prefix_kind] * 6 + list(range(length)), f"s{n}", salt)
+        computed = manager.get_computed_blocks(s)
+        assert all(owner[b] == salt for b in computed.block_ids)
+        num_new = s.num_tokens - computed.num_tokens
+        if not manager.can_allocate(s, num_new, computed):
+            manager.free(live.pop(0))
+            continue
+        manager.allocate(s, num_new, computed)
+        for block_id in s.block_table[len(computed.block_ids) :]:
+            owner[block_id] = salt
+        s.num_computed_tokens += num_new
+        manager.cache_full_blocks(s)
+        live.append(s)
+    for one in live:
+        for other in live:
+            if one.cache_salt != other.cache_salt:
+                assert not set(one.block_table) & set(other.block_table)
+    manager.check_tables(live)
+    manager.check_integrity()
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,11 +9,15 @@ sequence's blocks are freed tail first, so the tail of a prefix is evicted befor
 
 Hashes are chained: a full block's hash covers its tokens and its parent's hash, so equal
 hashes mean equal prefixes; the tokens are compared on a hit anyway, so a hash collision
-can cost a miss but never a wrong answer.
+can cost a miss but never a wrong answer. A sequence's `cache_salt` (its tenant's cache
+namespace) stands in for the first block's parent, so every hash of the chain depends on
+it: sequences with different salts never share a block, whatever their tokens, and a
+tenant's time to first token says nothing about another tenant's prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,6 +27,15 @@ from modelship.engine.sequence import Sequence
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     # Tuples of ints hash the same in every process (no string hash salting involved).
     return hash((parent_hash, token_ids))
+
+
+def root_hash(cache_salt: str | None) -> int | None:
+    """The parent hash of a sequence's first block: None without a salt, else an int
+    derived from the salt (sha256, so it is the same in every process, like `hash_block`)."""
+    if cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"modelship-cache-salt\0" + cache_salt.encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 @dataclass
@@ -80,7 +93,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return NO_HIT
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent: int | None = None
+        parent = root_hash(seq.cache_salt)
         block_ids: list[int] = []
         hashes: list[int] = []
         for i in range(max_blocks):
@@ -141,7 +154,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq.cache_salt)
             block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]

@@ -32,12 +32,14 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share blocks
         self.arrival_seq = next(_arrivals)  # FCFS order, also across preemptions
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

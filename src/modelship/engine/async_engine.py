@@ -34,6 +34,7 @@ class _Add:
     priority: int
     deliver: Callable[[SequenceDelta | BaseException], None]
     accepted: Future
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -72,6 +73,7 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """Admit a request and return an iterator over its deltas (ends when all finish).
 
@@ -85,7 +87,8 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         accepted: Future = Future()
-        self._inbox.put(_Add(request_id, prompt, params, priority, deliver, accepted))
+        add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt)
+        self._inbox.put(add)
         await asyncio.wrap_future(accepted)  # raises the admission error, if any
         return self._stream(request_id, params.n, deltas)
 
@@ -151,7 +154,11 @@ class AsyncLLMEngine:
                 continue
             try:
                 self.engine.add_request(
-                    message.request_id, message.prompt, message.params, message.priority
+                    message.request_id,
+                    message.prompt,
+                    message.params,
+                    message.priority,
+                    message.cache_salt,
                 )
             except Exception as exc:
                 message.accepted.set_exception(exc)

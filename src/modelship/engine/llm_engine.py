@@ -111,8 +111,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[int]:
-        """Queue a request and return its prompt token ids.
+        """Queue a request and return its prompt token ids. Only requests with the same
+        `cache_salt` (a tenant's cache namespace) share prefix-cache blocks.
 
         Raises `EngineOverloadedError` / `RequestTooLongError` at once, leaving no trace."""
         if request_id in self._requests:
@@ -124,7 +126,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         seqs = [
-            Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority=priority)
+            Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt)
             for i in range(params.n)
         ]
         self.scheduler.add_request(seqs[0])  # admission control raises here, nothing to undo

@@ -312,3 +312,58 @@ def test_a_long_answer_is_not_cut_by_the_first_byte_timeout(replica: ServerProce
     response = post(gateway, chat(max_tokens=600, ignore_eos=True))
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 600
+
+
+def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProcess, start_gateway):
+    gateway = start_gateway([replica.url])
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
+    # Digits are about a token each: far more than the gateway's characters / 4.
+    messages = [{"role": "user", "content": " ".join("7" * 200)}]
+
+    def charged() -> tuple[float, float]:
+        return tuple(
+            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
+            for kind in ("input", "output")
+        )
+
+    def ask(**extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=9, extra_body={"ignore_eos": True},
+            **extra,
+        )  # fmt: skip
+
+    before = charged()
+    chunks = list(ask(stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 9 and usage.prompt_tokens > 200
+    after = charged()
+    assert (after[0] - before[0], after[1] - before[1]) == (usage.prompt_tokens, 9)
+
+    # A client that did not ask for usage gets none, and is charged all the same.
+    chunks = list(ask(stream=True))
+    assert all(chunk.usage is None and chunk.choices for chunk in chunks)
+    again = charged()
+    assert (again[0] - after[0], again[1] - after[1]) == (usage.prompt_tokens, 9)
+
+    answer = ask()
+    final = charged()
+    assert answer.usage.prompt_tokens == usage.prompt_tokens
+    assert (final[0] - again[0], final[1] - again[1]) == (usage.prompt_tokens, 9)
+
+    # A stream cut short is charged for what came through before the cut (and its input
+    # as estimated: no usage came).
+    headers = {"authorization": f"Bearer {HIGH}"}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{gateway.url}/v1/chat/completions", json=body,
+                    headers=headers) as stream,
+    ):  # fmt: skip
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(12), strict=False) if line) >= 5
+    wait_until_idle(gateway)
+    cut = charged()
+    assert cut[0] - final[0] > 0
+    assert 5 <= cut[1] - final[1] < 1500

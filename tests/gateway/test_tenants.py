@@ -149,6 +149,17 @@ def test_tokens_per_minute_counts_input_then_output() -> None:
     assert admit(limiter, tenant, now=5.0, input_tokens=100).ok
 
 
+def test_charges_correct_the_admission_estimate_both_ways() -> None:
+    limiter, tenant = TenantLimiter(), make_tenant(tokens_per_minute=600)
+    assert admit(limiter, tenant, input_tokens=100).ok  # estimated from characters
+    limiter.charge("acme", -60, now=0.0)  # the replica counted 40
+    limiter.charge("acme", -(10**6), now=0.0)  # a refund never fills past the capacity
+    assert admit(limiter, tenant, input_tokens=600).ok
+    limiter.charge("acme", 300, now=0.0)  # more than estimated, plus the output
+    refused = admit(limiter, tenant, input_tokens=1)
+    assert refused.reason is RefusalReason.TOKENS_PER_MINUTE
+
+
 def test_prompt_larger_than_the_quota_is_a_bad_request() -> None:
     limiter, tenant = TenantLimiter(), make_tenant(tokens_per_minute=100)
     refused = admit(limiter, tenant, input_tokens=101)

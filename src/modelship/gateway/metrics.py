@@ -98,7 +98,7 @@ class GatewayMetrics:
         )
         self.tokens = Counter(
             PREFIX + "tokens",
-            "Tokens charged to tenants (input estimated, output counted).",
+            "Tokens charged to tenants, as the replica counted them (its usage).",
             ["tenant", "kind"],
             registry=r,
         )

@@ -24,6 +24,7 @@ import httpx
 from modelship.gateway.pool import Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.resilience import Failure, FailureKind
+from modelship.gateway.usage import StreamUsage
 
 # Response headers passed back to the client (hop-by-hop and length headers are not).
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
@@ -106,12 +107,6 @@ async def send_attempt(
     return attempt
 
 
-def count_events(chunk: bytes) -> int:
-    """SSE data events in a chunk, `[DONE]` excluded: our replicas send one per token
-    (or per detokenized piece), which is what the gateway charges as output."""
-    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
-
-
 def error_event(message: str) -> bytes:
     body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": None}}
     return f"data: {json.dumps(body)}\n\n".encode()
@@ -134,31 +129,35 @@ class StreamEnd(StrEnum):
 async def pump(
     attempt: Attempt,
     deadline: float,
-    on_end: Callable[[StreamEnd, int], None],
+    usage: StreamUsage,
+    on_end: Callable[[StreamEnd], None],
 ) -> AsyncIterator[bytes]:
-    """Yield a streaming attempt's bytes to the client; `on_end(how, num_events)` runs
-    once however the stream ends (finished, replica failed, deadline, client gone)."""
+    """Yield a streaming attempt's events to the client, read by `usage` on the way;
+    `on_end(how)` runs once however the stream ends (finished, replica failed, deadline,
+    client gone)."""
     assert attempt.response is not None and attempt.chunks is not None
     response = attempt.response
-    num_events = count_events(attempt.first_chunk)
     # Anything else that ends the generator (cancelled, or closed at a yield) is the
     # client going away.
     how = StreamEnd.CLIENT_GONE
     try:
-        yield attempt.first_chunk
+        yield usage.feed(attempt.first_chunk)
         async with asyncio.timeout_at(deadline):
             async for chunk in attempt.chunks:
-                num_events += count_events(chunk)
-                yield chunk
+                if passed := usage.feed(chunk):
+                    yield passed
         how = StreamEnd.COMPLETE
+        if rest := usage.flush():
+            yield rest
     except (httpx.HTTPError, TimeoutError) as exc:
         timed_out = isinstance(exc, TimeoutError)
         how = StreamEnd.TIMED_OUT if timed_out else StreamEnd.REPLICA_FAILED
         what = "timed out" if isinstance(exc, TimeoutError | httpx.TimeoutException) else "failed"
+        usage.flush()  # half an event: dropped
         yield error_event(f"the replica {what} during the stream; the response is incomplete")
     finally:
         await response.aclose()
-        on_end(how, num_events)
+        on_end(how)
 
 
 def raise_for_final(attempt: Attempt) -> None:

@@ -48,6 +48,7 @@ from modelship.gateway.tenants import (
     TenantRegistry,
     hash_api_key,
 )
+from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage, usage_from_body
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +185,10 @@ class GatewayService:
         try:
             return await self._forward_while_connected(request, parsed, tenant, hold, request_id)
         except GatewayError as error:
-            hold.end(error.status_code, None, 0)
+            hold.end(error.status_code, None)
             return error.response(request_id)
         except BaseException:
-            hold.end(500, None, 0)
+            hold.end(500, None)
             raise
 
     async def _forward_while_connected(
@@ -207,7 +208,7 @@ class GatewayService:
                 forward.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await forward
-                hold.end(499, None, 0)
+                hold.end(499, None)
         if forward.cancelled():
             return Response(status_code=499)  # nobody reads it
         return forward.result()
@@ -237,8 +238,7 @@ class GatewayService:
         if limit.max_tokens is not None and parsed.max_tokens is None:
             parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
         parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
-        self.metrics.tokens.labels(tenant.name, "input").inc(parsed.input_tokens)
-        return _Hold(self, tenant, parsed.num_sequences, time.perf_counter())
+        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter())
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
@@ -269,6 +269,7 @@ class GatewayService:
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
         candidates = self._candidates(track, routing)
+        pass_usage_event = ask_for_usage(parsed.body) if parsed.stream else True
         content = json.dumps(parsed.body).encode()
         headers = {**self.upstream_headers, "x-request-id": request_id}
         deadline = asyncio.get_running_loop().time() + resilience.request_timeout_s
@@ -285,7 +286,7 @@ class GatewayService:
                         await asyncio.sleep(self.retry_policy.backoff_s(num_attempts))
                     num_attempts += 1
                     attempt = await self._attempt(
-                        upstream, path, content, headers, parsed, hold, routing.num_tokens
+                        upstream, path, content, headers, parsed, hold, routing
                     )
                     if attempt.failure is None or not self.retry_policy.should_retry(
                         attempt.failure, num_attempts
@@ -301,12 +302,13 @@ class GatewayService:
         raise_for_final(attempt)
         hold.upstream = attempt.upstream
         if parsed.stream and attempt.status_code == 200:
-            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline)
+            usage = StreamUsage(pass_usage_event)
+            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage)
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
-        num_output = _usage_completion_tokens(attempt.body) if attempt.status_code == 200 else 0
-        if attempt.status_code == 200:
-            self.estimator.observe(num_output // parsed.num_sequences)  # per sequence
-        hold.end(attempt.status_code, attempt.ttft_s, num_output)
+        usage = usage_from_body(attempt.body) if attempt.status_code == 200 else None
+        if usage is not None:
+            self.estimator.observe(usage.completion_tokens // parsed.num_sequences)
+        hold.end(attempt.status_code, attempt.ttft_s, usage or Usage(parsed.input_tokens, 0))
         headers = _response_headers(attempt, request_id)
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
 
@@ -318,7 +320,7 @@ class GatewayService:
         headers: dict[str, str],
         parsed: ParsedRequest,
         hold: _Hold,
-        num_tokens: int,
+        routing: RoutingRequest,
     ) -> Attempt:
         resilience = self.config.resilience
         # A non-streaming answer comes only when generation ends: it may take as long as
@@ -326,7 +328,13 @@ class GatewayService:
         read_timeout_s = (
             resilience.first_byte_timeout_s if parsed.stream else resilience.request_timeout_s
         )
+        num_tokens = routing.num_tokens
         upstream.endpoint.add_request(num_tokens)
+        # Charged if the request is abandoned while the replica generates (client gone,
+        # deadline): the gateway never learns how much it produced.
+        hold.num_output_if_abandoned = routing.num_sequences * (
+            routing.estimated_output_tokens or 0
+        )
         try:
             attempt = await send_attempt(
                 self.client,
@@ -343,6 +351,7 @@ class GatewayService:
             upstream.endpoint.remove_request(num_tokens)
             raise
         if attempt.failure is not None:
+            hold.num_output_if_abandoned = 0
             upstream.endpoint.remove_request(num_tokens)
             self._record(upstream, ok=False, ttft_s=None, kind=str(attempt.failure.kind))
         elif attempt.status_code >= 400:
@@ -355,23 +364,33 @@ class GatewayService:
         return attempt
 
     def _stream(
-        self, attempt: Attempt, hold: _Hold, request_id: str, num_tokens: int, deadline: float
+        self,
+        attempt: Attempt,
+        hold: _Hold,
+        request_id: str,
+        num_tokens: int,
+        deadline: float,
+        usage: StreamUsage,
     ) -> StreamingResponse:
         upstream = attempt.upstream
 
-        def on_end(how: StreamEnd, num_events: int) -> None:
+        def on_end(how: StreamEnd) -> None:
             upstream.endpoint.remove_request(num_tokens)
             if how is StreamEnd.COMPLETE:
                 self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
-                self.estimator.observe(num_events // hold.num_sequences)
             elif how is StreamEnd.REPLICA_FAILED:
                 self._record(upstream, ok=False, ttft_s=attempt.ttft_s, kind="read")
             # A client hanging up or a request past its own deadline says nothing about
             # the replica.
-            hold.end(how.status_code, attempt.ttft_s, num_events)
+            used = usage.usage
+            if used is None:  # cut short: charged for the events that came through
+                used = Usage(hold.input_tokens, usage.num_events)
+            elif how is StreamEnd.COMPLETE:
+                self.estimator.observe(used.completion_tokens // hold.num_sequences)
+            hold.end(how.status_code, attempt.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)
-        return StreamingResponse(pump(attempt, deadline, on_end), headers=headers)
+        return StreamingResponse(pump(attempt, deadline, usage, on_end), headers=headers)
 
     def _record(
         self,
@@ -419,20 +438,29 @@ class _Hold:
     service: GatewayService
     tenant: Tenant
     num_sequences: int
+    input_tokens: int  # the estimate taken from the tenant's bucket at admission
     started_at: float
     upstream: Upstream | None = None
+    num_output_if_abandoned: int = 0  # while an attempt is generating
     ended: bool = False
 
-    def end(self, status_code: int, ttft_s: float | None, num_output_tokens: int) -> None:
+    def end(self, status_code: int, ttft_s: float | None, usage: Usage | None = None) -> None:
+        """`usage`: as the replica counted it; None when the gateway never learned it (the
+        estimated output is charged if the request was abandoned mid-generation)."""
         if self.ended:
             return
         self.ended = True
+        if usage is None:
+            usage = Usage(self.input_tokens, self.num_output_if_abandoned)
         service, name = self.service, self.tenant.name
-        service.limiter.charge(name, num_output_tokens, time.monotonic())
+        # The input was estimated at admission: charge (or refund) the difference.
+        extra = usage.prompt_tokens - self.input_tokens + usage.completion_tokens
+        service.limiter.charge(name, extra, time.monotonic())
         service.limiter.release(name, self.num_sequences)
         service.admission.release(self.tenant.priority, self.num_sequences)
         metrics = service.metrics
-        metrics.tokens.labels(name, "output").inc(num_output_tokens)
+        metrics.tokens.labels(name, "input").inc(usage.prompt_tokens)
+        metrics.tokens.labels(name, "output").inc(usage.completion_tokens)
         release = self.upstream.release if self.upstream else "none"
         variant = self.upstream.variant if self.upstream else "none"
         metrics.requests.labels(name, str(status_code), release, variant).inc()
@@ -455,10 +483,3 @@ def _response_headers(attempt: Attempt, request_id: str) -> dict[str, str]:
         "x-modelship-release": attempt.upstream.release,
         "x-modelship-variant": attempt.upstream.variant,
     }
-
-
-def _usage_completion_tokens(body: bytes) -> int:
-    try:
-        return int(json.loads(body)["usage"]["completion_tokens"])
-    except (ValueError, KeyError, TypeError):
-        return 0

@@ -2,9 +2,10 @@
 
 Keys are configured and compared as sha256 hex digests: the gateway never holds, logs or
 returns a key. Limits are token buckets over a minute (requests, and tokens counting
-input and output) plus a cap on concurrent requests. Output length is unknown when a
-request is admitted, so its tokens are charged when it finishes; the bucket may go into
-debt, and the tenant's next request waits for it to refill.
+input and output) plus a cap on concurrent requests. At admission the input is an
+estimate and the output unknown, so when the request finishes the tenant is charged the
+rest from the replica's count (or refunded an overestimate); the bucket may go into debt,
+and the tenant's next request waits for it to refill.
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ class TokenBucket:
         return TakeResult(True, 0.0)
 
     def debit(self, amount: float, now: float) -> None:
+        """Take `amount` even past zero (work already done); a negative amount refunds,
+        up to `capacity`."""
         self._refill(now)
-        self._level -= amount
+        self._level = min(self.capacity, self._level - amount)
 
     def _refill(self, now: float) -> None:
         elapsed = max(0.0, now - self._updated_at)  # a clock running backwards adds nothing
@@ -277,11 +280,12 @@ class TenantLimiter:
         cap = max_tokens if max_tokens is not None else config.max_output_tokens
         return LimitDecision(ok=True, max_tokens=cap)
 
-    def charge(self, tenant_name: str, num_output_tokens: int, now: float) -> None:
-        """Debit output tokens already produced (may leave the tenant in debt)."""
+    def charge(self, tenant_name: str, num_tokens: int, now: float) -> None:
+        """Debit tokens already used (may leave the tenant in debt); a negative count
+        refunds what admission overestimated."""
         usage = self._usage.get(tenant_name)
-        if usage is not None and usage.tokens is not None and num_output_tokens > 0:
-            usage.tokens.debit(num_output_tokens, now)
+        if usage is not None and usage.tokens is not None and num_tokens != 0:
+            usage.tokens.debit(num_tokens, now)
 
     def release(self, tenant_name: str, num_sequences: int = 1) -> None:
         """Free the concurrency slots of an admitted request, however it ended."""

@@ -62,6 +62,7 @@ class LLMEngine:
             device=device,
             dtype=self.config.dtype,
             max_positions=self.max_model_len,
+            int4_kernel=self.config.int4_kernel,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 
 from starlette.applications import Starlette
 
@@ -44,11 +45,16 @@ class LocalFleet:
         self.served_model_name = config.serve.served_model_name or slug
         self.log_dir = storage.model_dir(slug) / "fleet"
         self.pool = EndpointPool(config.gateway.resilience)
+        # Replicas trust a tenant's prefix-cache namespace only from holders of their key,
+        # so tenants need one: without serve.api_key the fleet makes one up (never stored).
+        self.replica_api_key = config.serve.api_key or (
+            secrets.token_urlsafe(32) if config.gateway.tenants else None
+        )
         self.service = GatewayService(
             config.gateway,
             self.pool,
             api_key=config.serve.api_key,
-            upstream_api_key=config.serve.api_key,
+            upstream_api_key=self.replica_api_key,
             fleet_snapshot=lambda: self.supervisor.snapshot(self.service),
         )
         self.service.on_canary_rollback = self._auto_rollback
@@ -71,7 +77,7 @@ class LocalFleet:
             log_path=self.log_dir / f"{replica_id}.log",
             host="127.0.0.1",
             die_with_parent=True,
-            api_key=serve.api_key,  # in its environment: `ps` shows a command line to all
+            api_key=self.replica_api_key,  # in its environment: `ps` shows a command line to all
         )
 
     def release_spec(self, release: int) -> ReleaseSpec:

@@ -22,6 +22,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# Carries a tenant's `cache_salt` to the replicas (they trust it only with their API key).
+CACHE_SALT_HEADER = "x-modelship-cache-salt"
 
 
 class Priority(IntEnum):
@@ -53,6 +55,10 @@ class TenantConfig(BaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     allowed_models: list[str] | None = None  # None: every served model
     priority: Literal["high", "normal", "low"] = "normal"
+    # Tenants naming the same namespace share prefix-cache blocks on the replicas (a hit
+    # makes one tenant's request faster when another sent the same prefix, so each can
+    # time the other's prompts). None: a namespace of the tenant's own.
+    cache_namespace: str | None = Field(default=None, min_length=1)
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod
@@ -84,6 +90,14 @@ class Tenant:
     @property
     def priority(self) -> Priority:
         return self.config.priority_level
+
+    @property
+    def cache_salt(self) -> str:
+        """The replicas' prefix-cache namespace for this tenant's requests: a digest, so
+        replicas never see tenant names, and a shared namespace never equals a tenant's."""
+        namespace = self.config.cache_namespace
+        name = f"shared:{namespace}" if namespace is not None else f"tenant:{self.name}"
+        return hashlib.sha256(name.encode()).hexdigest()
 
 
 class TenantRegistry:

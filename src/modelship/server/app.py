@@ -27,6 +27,9 @@ from modelship.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
+# The prefix-cache namespace of the request's tenant, set by the gateway (an opaque string).
+CACHE_SALT_HEADER = "x-modelship-cache-salt"
+
 
 @dataclass
 class ServerState:
@@ -76,6 +79,12 @@ def create_app(
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise AuthenticationError("Incorrect or missing API key.")
 
+    def cache_salt(request: Request) -> str | None:
+        """The request's prefix-cache namespace. Trusted only from holders of the API key
+        (the routes checked it): with no key anyone could name another tenant's namespace
+        and time its prompts, so every request shares the one unsalted namespace."""
+        return request.headers.get(CACHE_SALT_HEADER) if api_key is not None else None
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
@@ -109,11 +118,11 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat(body: p.ChatCompletionRequest, request: Request):
-        return await _respond(request, create_chat_completion(serving, body))
+        return await _respond(request, create_chat_completion(serving, body, cache_salt(request)))
 
     @app.post("/v1/completions", dependencies=[Depends(authenticate)])
     async def completions(body: p.CompletionRequest, request: Request):
-        return await _respond(request, create_completion(serving, body))
+        return await _respond(request, create_completion(serving, body, cache_salt(request)))
 
     return app
 

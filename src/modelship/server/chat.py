@@ -11,7 +11,7 @@ from modelship.server.serving import SSE_DONE, OpenAIServing, sse
 
 
 async def create_chat_completion(
-    serving: OpenAIServing, request: p.ChatCompletionRequest
+    serving: OpenAIServing, request: p.ChatCompletionRequest, cache_salt: str | None = None
 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """Validate everything before the engine sees the request; errors raise `APIError`."""
     serving.check_model(request.model)
@@ -20,10 +20,10 @@ async def create_chat_completion(
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0
     if request.stream:
-        deltas = serving.generate(request_id, prompt, params, request.priority)
+        deltas = serving.generate(request_id, prompt, params, request.priority, cache_salt)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
         return _stream(serving, request, request_id, len(prompt), first, deltas, num_top)
-    choices = await serving.collect(request_id, prompt, params, request.priority)
+    choices = await serving.collect(request_id, prompt, params, request.priority, cache_salt)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
         id=request_id,

@@ -13,7 +13,7 @@ from modelship.server.serving import SSE_DONE, OpenAIServing, sse
 
 
 async def create_completion(
-    serving: OpenAIServing, request: p.CompletionRequest
+    serving: OpenAIServing, request: p.CompletionRequest, cache_salt: str | None = None
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_model(request.model)
     prompts = serving.completion_prompts(request)
@@ -22,13 +22,13 @@ async def create_completion(
     if request.stream:
         if len(prompts) != 1:
             raise BadRequestError("streaming supports one prompt per request", "prompt")
-        deltas = serving.generate(request_id, prompts[0], params[0], request.priority)
+        deltas = serving.generate(request_id, prompts[0], params[0], request.priority, cache_salt)
         first = await anext(deltas)  # admission errors surface before any byte is sent
         return _stream(serving, request, request_id, prompts[0], first, deltas)
 
     results = await asyncio.gather(
         *(
-            serving.collect(f"{request_id}-{i}", prompt, prm, request.priority)
+            serving.collect(f"{request_id}-{i}", prompt, prm, request.priority, cache_salt)
             for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
         )
     )

@@ -140,12 +140,17 @@ class OpenAIServing:
             raise BadRequestError(str(exc), exc.param) from exc
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """Admit into the engine (mapping its errors) and record metrics while streaming."""
         arrival = time.perf_counter()
         try:
-            stream = await self.engine.add_request(request_id, prompt, params, priority)
+            stream = await self.engine.add_request(request_id, prompt, params, priority, cache_salt)
         except EngineOverloadedError as exc:
             retry_after = str(max(1, round(getattr(exc, "retry_after_s", 1) or 1)))
             raise OverloadedError(str(exc), headers={"Retry-After": retry_after}) from exc
@@ -189,10 +194,15 @@ class OpenAIServing:
 
     # Whole responses -------------------------------------------------------------------------
     async def collect(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> list[_Choice]:
         choices = [_Choice() for _ in range(params.n)]
-        async for delta in self.generate(request_id, prompt, params, priority):
+        async for delta in self.generate(request_id, prompt, params, priority, cache_salt):
             choice = choices[delta.index]
             choice.text += delta.text
             choice.token_ids += delta.token_ids

@@ -26,6 +26,7 @@ class UpProcess:
         self.slug = slug
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "up.log"
+        self.metrics_key: str | None = None  # a gateway.metrics_api_key_sha256 key
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "modelship", *self.cli_args("up")],
@@ -70,8 +71,10 @@ class UpProcess:
         )
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        """Sum of the samples of `name` whose labels include `labels` (tenant labels only
+        with `metrics_key`)."""
+        headers = {"authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=5).text
         total = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

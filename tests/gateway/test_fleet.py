@@ -22,6 +22,7 @@ from fleet_storage import publish_release
 SLUG = "tiny"
 KEY = "sk-alpha-test"
 LIMITED_KEY = "sk-limited-test"
+METRICS_KEY = "sk-metrics-test"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,6 +42,7 @@ def fleet_config() -> dict:
                 },
             ],
             "routing": {"policy": "least_outstanding_tokens"},
+            "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
             "resilience": {"breaker_failure_threshold": 1, "breaker_cool_down_s": 30},
         },
         "autoscale": {
@@ -61,6 +63,7 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     storage = Storage(workdir / "storage")
     storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
     up = UpProcess(fleet_config(), storage.root, SLUG, workdir)
+    up.metrics_key = METRICS_KEY
     try:
         up.wait_ready()
         yield up

@@ -23,6 +23,8 @@ from server_process import ServerProcess
 
 MODEL = "tiny"
 HIGH, LOW = "sk-high-test", "sk-low-test"
+METRICS_KEY = "sk-metrics-test"
+METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -66,7 +68,8 @@ def start_gateway(tmp_path: Path):
     started: list[GatewayProcess] = []
 
     def start(endpoints: list[str], **gateway) -> GatewayProcess:
-        process = GatewayProcess(tmp_path, endpoints, {"tenants": tenants(), **gateway})
+        config = {"tenants": tenants(), "metrics_api_key_sha256": hash_api_key(METRICS_KEY)}
+        process = GatewayProcess(tmp_path, endpoints, {**config, **gateway})
         started.append(process)
         process.wait_ready(60)
         return process
@@ -98,11 +101,19 @@ def test_proxies_lists_models_and_reports_metrics(replica: ServerProcess, start_
     assert [m.id for m in client.models.list().data] == [MODEL]
     answer = client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
     assert answer.usage.completion_tokens == 3
-    metrics = httpx.get(f"{gateway.url}/metrics").text
+    metrics = httpx.get(f"{gateway.url}/metrics", headers=METRICS_AUTH).text
     assert 'modelship_gateway_requests_total{release="stable",status="200",tenant="gold"' in (
         metrics
     )
     assert "modelship_gateway_routing_decisions_total" in metrics
+    # Without the metrics key: the same series, summed over tenants, whose names stay
+    # private; a wrong key is refused.
+    public = httpx.get(f"{gateway.url}/metrics").text
+    assert 'modelship_gateway_requests_total{release="stable",status="200",variant=' in public
+    assert "tenant=" not in public and "gold" not in public
+    assert "modelship_gateway_routing_decisions_total" in public
+    wrong = httpx.get(f"{gateway.url}/metrics", headers={"authorization": f"Bearer {HIGH}"})
+    assert wrong.status_code == 401 and "gold" not in wrong.text
 
 
 def test_bad_input_gets_openai_errors(replica: ServerProcess, start_gateway):
@@ -151,7 +162,7 @@ def test_priority_shedding_then_queue_cap(replica: ServerProcess, start_gateway)
         assert time.monotonic() < deadline, "the slots of disconnected clients were not freed"
         time.sleep(0.05)
     assert post(gateway, chat(), key=LOW).status_code == 200
-    metrics = httpx.get(f"{gateway.url}/metrics").text
+    metrics = httpx.get(f"{gateway.url}/metrics", headers=METRICS_AUTH).text
     assert 'modelship_gateway_rejections_total{reason="priority_shed",tenant="batch"} 1.0' in (
         metrics
     )
@@ -193,6 +204,10 @@ def test_tenant_config_errors_name_the_field_and_never_echo_keys():
     message = str(info.value)
     assert "gateway.tenants.0.api_key_sha256" in message
     assert "sk-very-secret-key" not in message
+    with pytest.raises(ConfigError) as info:
+        ModelshipConfig.from_dict({"gateway": {"metrics_api_key_sha256": "sk-metrics-secret"}})
+    assert "gateway.metrics_api_key_sha256" in str(info.value)
+    assert "sk-metrics-secret" not in str(info.value)
 
 
 def test_token_id_prompts_are_served_and_odd_prompts_are_400s(
@@ -261,7 +276,7 @@ def test_n_and_stop_are_capped_and_every_sequence_holds_a_slot(
 
 def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
-    text = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    text = httpx.get(f"{gateway.url}/metrics", headers=METRICS_AUTH, timeout=5).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)

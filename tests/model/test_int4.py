@@ -8,10 +8,16 @@ import pytest
 import torch
 
 from modelship.model import AttentionMetadata, allocate_kv_cache, load_model
-from modelship.model.quant import UnsupportedQuantizationError, create_quantization
+from modelship.model.quant import UnsupportedQuantizationError, cpu_kernels, create_quantization
 from modelship.model.quant.base import DenseLinear
 from modelship.model.quant.compressed_tensors import _unpack_zero_point
-from modelship.model.quant.int4 import Int4Linear, dequantize, unpack_int4
+from modelship.model.quant.int4 import (
+    Int4Linear,
+    W4A8Linear,
+    create_int4_linear,
+    dequantize,
+    unpack_int4,
+)
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
 
@@ -25,6 +31,36 @@ def quantized(request, tiny_llama_dir: Path, tmp_path_factory) -> tuple[str, Pat
     out = tmp_path_factory.mktemp(variant)
     create_scheme(variant).run(recipe_for(variant, SMALL), tiny_llama_dir, out)
     return variant, out
+
+
+@pytest.fixture(scope="module", params=["gptq", "awq"])
+def quantized_g64(request, tiny_llama_dir: Path, tmp_path_factory) -> tuple[str, Path]:
+    """The same schemes at group size 64, the demo model's: the W4A8 kernel takes it."""
+    variant = request.param
+    out = tmp_path_factory.mktemp(f"{variant}-g64")
+    create_scheme(variant).run(recipe_for(variant, SMALL | {"group_size": 64}), tiny_llama_dir, out)
+    return variant, out
+
+
+needs_w4a8 = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="modelship's W4A8 kernel needs an AVX2 CPU and a compiler"
+)
+
+
+def ref_w4a8(x: torch.Tensor, u, scale, zero_point, group_size: int) -> torch.Tensor:
+    """Plain-torch W4A8: activations rounded to int8 per row and weight group (symmetric,
+    amax / 127), integer dot products per group, then scaled; fp32 [n, out]."""
+    n, k = x.shape
+    xg = x.float().view(n, k // group_size, group_size)
+    d = xg.abs().amax(-1, keepdim=True) / 127  # [n, groups, 1]
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))  # the kernel multiplies by 1 / d
+    q = (xg * inv).round()  # [n, groups, G], ties to even as the kernel rounds
+    ug = u.float().view(u.shape[0], k // group_size, group_size)  # [out, groups, G]
+    dots = torch.einsum("ngk,ogk->nog", q.double(), ug.double()).float()  # exact integers
+    sums = q.sum(-1)  # [n, groups]
+    mins = -(8 + zero_point.float()) * scale.float()  # [out, groups]
+    s16, m16 = scale.half().float(), mins.half().float()  # stored as fp16
+    return (dots * s16 * d.squeeze(-1)[:, None, :]).sum(-1) + (sums * d.squeeze(-1)) @ m16.t()
 
 
 @pytest.fixture(scope="module", params=["rtn-group16", "gptq-actorder"])
@@ -81,7 +117,7 @@ def reference_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def test_int4_kernel_matches_dequantized_reference(quantized) -> None:
     _variant, folder = quantized
-    model = load_model(folder)  # CPU: bf16 activations on the int4 kernel
+    model = load_model(folder)  # CPU, group size 32: bf16 activations on torch's int4 kernel
     layer = model.layers[0]
     for linear in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, Int4Linear)
@@ -165,6 +201,77 @@ def test_int4_linear_matches_dequantized_matmul(with_bias: bool) -> None:
     torch.testing.assert_close(actual.float(), expected, atol=0.05, rtol=0.02)
 
 
+@needs_w4a8
+@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 9])
+def test_w4a8_kernel_matches_reference(group_size: int, num_rows: int) -> None:
+    gen = torch.Generator().manual_seed(group_size + num_rows)
+    out_features, in_features = 40, 512
+    u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+    scale = torch.rand(out_features, in_features // group_size, generator=gen) * 0.1 + 0.01
+    zero_point = torch.randint(-8, 8, scale.shape, generator=gen, dtype=torch.int32)
+    linear = W4A8Linear.from_unpacked(u, scale, zero_point, group_size, None)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    x[0, :group_size] = 0  # an all-zero group quantizes to scale 0, not NaN
+    expected = ref_w4a8(x, u, scale, zero_point, group_size)
+    torch.testing.assert_close(linear(x), expected, atol=1e-3, rtol=1e-4)  # fp32 in and out
+    # bf16 activations: the same arithmetic on the bf16-rounded input, rounded once at the end
+    xb = x.bfloat16()
+    expected_b = ref_w4a8(xb.float(), u, scale, zero_point, group_size)
+    torch.testing.assert_close(linear(xb).float(), expected_b, atol=2e-2, rtol=1e-2)
+    # and within int8-activation error of the exact dequantized product
+    exact = x @ dequantize(u, scale, zero_point, group_size).t()
+    assert (linear(x) - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@needs_w4a8
+def test_w4a8_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randint(0, 16, (96, 576), generator=gen, dtype=torch.int32)
+    scale = torch.rand(96, 9, generator=gen) * 0.05
+    zero_point = torch.zeros(96, 9, dtype=torch.int32)
+    linear = W4A8Linear.from_unpacked(u, scale, zero_point, 64, None)
+    x = torch.randn(11, 576, generator=gen).bfloat16()
+    whole = linear(x)
+    for i in range(11):  # alone, and at every position of smaller batches
+        assert torch.equal(linear(x[i : i + 1])[0], whole[i])
+        assert torch.equal(linear(x[max(0, i - 4) : i + 1])[-1], whole[i])
+
+
+def test_int4_kernel_choice() -> None:
+    gen = torch.Generator().manual_seed(2)
+    u = torch.randint(0, 16, (32, 128), generator=gen, dtype=torch.int32)
+    scale, zero_point = torch.rand(32, 2, generator=gen), torch.zeros(32, 2, dtype=torch.int32)
+    assert isinstance(create_int4_linear(u, scale, zero_point, 64, None, "torch"), Int4Linear)
+    expected = W4A8Linear if cpu_kernels.load() else Int4Linear
+    assert isinstance(create_int4_linear(u, scale, zero_point, 64, None, "auto"), expected)
+    u32 = torch.randint(0, 16, (32, 96), generator=gen, dtype=torch.int32)
+    s32, z32 = torch.rand(32, 3, generator=gen), torch.zeros(32, 3, dtype=torch.int32)
+    # group size 32 is not W4A8's: auto falls back, an explicit request says why it cannot
+    assert isinstance(create_int4_linear(u32, s32, z32, 32, None, "auto"), Int4Linear)
+    with pytest.raises(ValueError, match="group_size=32"):
+        create_int4_linear(u32, s32, z32, 32, None, "w4a8")
+    with pytest.raises(ValueError, match="supported: auto, w4a8, torch"):
+        create_int4_linear(u, scale, zero_point, 64, None, "fast")
+
+
+@needs_w4a8
+def test_w4a8_on_real_schemes_matches_dequantized_reference(quantized_g64) -> None:
+    _variant, folder = quantized_g64
+    model = load_model(folder)  # auto: group size 64 on an AVX2 CPU -> W4A8
+    layer = model.layers[0]
+    for linear in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, W4A8Linear)
+    ids = torch.arange(3, 40)
+    expected = reference_logits(folder, ids)
+    actual = logits_of(model, ids)
+    assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    torch_kernel = logits_of(load_model(folder, int4_kernel="torch"), ids)
+    assert isinstance(load_model(folder, int4_kernel="torch").layers[0].qkv_proj, Int4Linear)
+    assert (actual - torch_kernel).abs().max() < 0.05 * expected.abs().max()
+
+
 def _config(**weights) -> dict:
     args = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32} | weights
     return {
@@ -198,3 +305,23 @@ def test_targets_and_ignore_patterns() -> None:
 def test_unsupported_quantization_is_refused(config: dict, message: str) -> None:
     with pytest.raises(UnsupportedQuantizationError, match=message):
         create_quantization(config)
+
+
+@needs_w4a8
+def test_int8_head_matches_dense_logits(quantized_g64) -> None:
+    _variant, folder = quantized_g64
+    dense = load_model(folder, lm_head="dense")
+    model = load_model(folder)  # auto: a quantized checkpoint on CPU gets the int8 head
+    assert model.int8_head is not None and dense.int8_head is None
+    hidden = torch.randn(7, dense.config.hidden_size).bfloat16()
+    expected = dense.compute_logits(hidden)
+    actual = model.compute_logits(hidden)
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    assert (actual - expected).abs().max() < 0.02 * expected.abs().max()
+    assert torch.equal(model.compute_logits(hidden[3:4])[0], actual[3])  # batch-invariant
+
+
+def test_int8_head_option_errors(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="supported: auto, int8, dense"):
+        load_model(tiny_llama_dir, lm_head="int4")
+    assert load_model(tiny_llama_dir).int8_head is None  # auto: dense checkpoints keep theirs

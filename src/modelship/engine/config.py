@@ -32,6 +32,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
+    # CPU int4 kernel: "auto" (modelship's W4A8 where AVX2 and the group size allow, else
+    # torch's), "w4a8" or "torch" (bf16 arithmetic; `model.quant.int4`)
+    int4_kernel: str = "auto"
+    # logits: "auto" (an int8 copy of the head for quantized checkpoints on CPU), "int8" or
+    # "dense" (`model.quant.int8`)
+    lm_head: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -46,6 +52,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
+        if self.int4_kernel not in ("auto", "w4a8", "torch"):
+            raise ValueError(f"int4_kernel must be auto, w4a8 or torch, got {self.int4_kernel!r}")
+        if self.lm_head not in ("auto", "int8", "dense"):
+            raise ValueError(f"lm_head must be auto, int8 or dense, got {self.lm_head!r}")
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

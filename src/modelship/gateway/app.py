@@ -61,8 +61,12 @@ def create_gateway_app(
         status = "draining" if service.is_draining else "no replica ready"
         return JSONResponse({"status": status}, status_code=503)
 
-    async def metrics(_: Request) -> Response:
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        try:
+            with_tenants = service.can_read_tenant_metrics(request)
+        except GatewayError as error:
+            return error.response()
+        return Response(service.metrics.render(with_tenants), media_type=CONTENT_TYPE)
 
     async def not_found(request: Request, _exc: Exception) -> Response:
         return GatewayError(404, f"Unknown path {request.url.path}.", code="not_found").response()

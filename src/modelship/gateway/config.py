@@ -6,6 +6,7 @@ belongs must not reach a terminal or a log.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -97,6 +98,25 @@ class GatewayConfig(_Section):
     request_limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     # Output length assumed for a request before any has finished (token-aware routing).
     initial_output_tokens: int = Field(default=128, ge=0)
+    # Keys (sha256 digests) that read /metrics with its tenant series; anyone else gets
+    # every series summed over tenants, so no tenant's name or usage is public.
+    metrics_api_key_sha256: list[str] = Field(default_factory=list)
+
+    @field_validator("metrics_api_key_sha256", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("metrics_api_key_sha256")
+    @classmethod
+    def _hex_digests(cls, digests: list[str]) -> list[str]:
+        if not all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in digests):
+            # Never echo the value: it might be a pasted key instead of its hash.
+            raise ValueError(
+                "metrics_api_key_sha256 takes lowercase sha256 hex digests (64 characters), "
+                "e.g. from `printf %s KEY | sha256sum`"
+            )
+        return digests
 
     @field_validator("tenants")
     @classmethod

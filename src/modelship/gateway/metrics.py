@@ -3,6 +3,9 @@
 Request series carry the tenant, the status, and the release and variant that answered
 (`release="none"` when no replica did: refused at the door, or no replica left). Fleet
 gauges (replicas, breakers, queue) are read from live state at scrape time.
+
+Tenant names and what each tenant uses are not for everyone: `render(with_tenants=False)`
+sums every series over its `tenant` label, which is what an anonymous scrape gets.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "modelship_gateway_"
@@ -77,12 +81,41 @@ class _FleetCollector(Collector):
         yield weight
 
 
+class _WithoutTenants(Collector):
+    """Every series of `registry`, summed over the `tenant` label."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            merged: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "tenant"))
+                key = (sample.name, labels)
+                if key not in merged:
+                    merged[key] = sample.value
+                elif sample.name.endswith("_created"):  # when the first series began
+                    merged[key] = min(merged[key], sample.value)
+                else:
+                    merged[key] += sample.value
+            summed = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in merged.items():
+                summed.add_sample(name, dict(labels), value)
+            yield summed
+
+
 class GatewayMetrics:
     """Counters and histograms recorded by the request path; gauges from `snapshot`."""
 
     def __init__(self, snapshot: Callable[[], FleetSnapshot]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_FleetCollector(snapshot))
+        self._without_tenants = CollectorRegistry(auto_describe=False)
+        self._without_tenants.register(_WithoutTenants(self.registry))
         r = self.registry
         self.requests = Counter(
             PREFIX + "requests",
@@ -166,5 +199,6 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, with_tenants: bool = True) -> bytes:
+        """The exposition text; without tenants, every series is summed over tenants."""
+        return generate_latest(self.registry if with_tenants else self._without_tenants)

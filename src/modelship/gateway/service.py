@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -156,12 +157,25 @@ class GatewayService:
     def authenticate(self, request: Request) -> Tenant:
         if self.registry is None:
             return _ANONYMOUS
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        key = _bearer_key(request)
         tenant = self.registry.authenticate(key) if key else None
         if tenant is None:
             raise unauthorized()
         return tenant
+
+    def can_read_tenant_metrics(self, request: Request) -> bool:
+        """True for a metrics key; False without a key (the series summed over tenants);
+        any other key is refused (401), so a misconfigured scraper hears of it."""
+        key = _bearer_key(request)
+        if not key:
+            return False
+        digest = hash_api_key(key).encode()
+        found = False
+        for candidate in self.config.metrics_api_key_sha256:  # constant time, no early exit
+            found |= hmac.compare_digest(digest, candidate.encode())
+        if not found:
+            raise unauthorized()
+        return True
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""
@@ -472,6 +486,11 @@ class _Hold:
         metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
         if ttft_s is not None and status_code < 500:
             metrics.ttft.labels(release, variant).observe(ttft_s)
+
+
+def _bearer_key(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    return header[7:].strip() if header.lower().startswith("bearer ") else ""
 
 
 async def _client_gone(request: Request) -> None:

@@ -34,6 +34,10 @@ class CausalLM(nn.Module):
         """Run the step's tokens; writes their K/V into `kv_caches` at the slot mapping."""
         raise NotImplementedError
 
+    def use_int8_head(self) -> bool:
+        """Switch logits to an int8 copy of the output head; False: not possible here."""
+        return False
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32. Does not modify anything."""
         raise NotImplementedError

@@ -23,6 +23,7 @@ from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import KVCache
 from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope_
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
+from modelship.model.quant.int8 import W8A8Linear, int8_head_supports
 
 # (checkpoint prefixes of projections sharing an input, has bias) -> one module computing
 # all of them, outputs concatenated in prefix order. It holds its weights already.
@@ -109,6 +110,19 @@ class LlamaForCausalLM(CausalLM):
         )
         self.lm_head = None if config.tie_word_embeddings else linear(["lm_head"], False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
+        self.int8_head: W8A8Linear | None = None  # set by `use_int8_head`
+
+    def use_int8_head(self) -> bool:
+        """Compute logits with an int8 copy of the (dense) output head; False where the
+        head is already quantized or its width does not fit the kernel."""
+        head = self.lm_head
+        if head is not None and not isinstance(head, DenseLinear):
+            return False
+        weight = self.embed_tokens.weight if head is None else head.weight
+        if not int8_head_supports(weight.shape[1]) or (head is not None and head.bias is not None):
+            return False
+        self.int8_head = W8A8Linear.from_dense(weight)
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -130,6 +144,8 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
+        if self.int8_head is not None:
+            return self.int8_head(hidden)
         head = self.lm_head
         if head is None or isinstance(head, DenseLinear):
             weight = self.embed_tokens.weight if head is None else head.weight

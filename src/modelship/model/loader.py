@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from modelship.model.config import ModelConfig
-from modelship.model.quant import create_quantization
+from modelship.model.quant import cpu_kernels, create_quantization
 from modelship.model.registry import CausalLM, create_model
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     max_positions: int | None = None,
+    int4_kernel: str = "auto",
+    lm_head: str = "auto",
 ) -> CausalLM:
     """Build the model for `model_dir/config.json` and fill it from its safetensors.
 
@@ -89,6 +91,9 @@ def load_model(
     (fused q/k/v and gate/up; dense or quantized per `quantization_config`), then the
     embeddings and norms are assigned. Raises `MissingWeightError` naming the first absent
     tensor, `UnsupportedModelError` / `UnsupportedQuantizationError` for what we lack.
+    `int4_kernel` picks the CPU int4 kernel (auto, w4a8, torch). `lm_head` "int8" computes
+    logits with an int8 copy of the output head (CPU, AVX2), "dense" with the checkpoint's
+    weights, "auto" int8 for quantized checkpoints on a CPU with bf16 compute.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
@@ -102,7 +107,7 @@ def load_model(
             model_dir,
             config.sliding_window,
         )
-    quantization = create_quantization(config.quantization_config)
+    quantization = create_quantization(config.quantization_config, int4_kernel)
     with ExitStack() as stack, torch.no_grad():
         checkpoint = _Checkpoint(model_dir, stack)
 
@@ -126,12 +131,32 @@ def load_model(
         for module in model.modules():  # derived tensors, now that the weights are final
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
+    wants_int8_head = _wants_int8_head(lm_head, config, device, dtype)
+    if wants_int8_head and not model.use_int8_head() and lm_head == "int8":
+        raise ValueError(
+            f"{model_dir}: the output head cannot run in int8 (quantized or odd width)"
+        )
     unused = set(checkpoint.location) - checkpoint.used
     if unused:
         logger.info(
             "%s: %d checkpoint tensors unused, e.g. %s", model_dir, len(unused), min(unused)
         )
     return model
+
+
+def _wants_int8_head(
+    lm_head: str, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> bool:
+    if lm_head not in ("auto", "int8", "dense"):
+        raise ValueError(f"lm_head {lm_head!r}; supported: auto, int8, dense")
+    if lm_head == "dense":
+        return False
+    available = device.type == "cpu" and cpu_kernels.load()
+    if lm_head == "int8":
+        if not available:
+            raise ValueError("an int8 output head needs modelship's CPU kernels (AVX2)")
+        return True
+    return available and bool(config.quantization_config) and dtype == torch.bfloat16
 
 
 def _checkpoint_name(name: str) -> str:

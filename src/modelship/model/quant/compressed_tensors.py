@@ -10,7 +10,8 @@ stores columns in their original order (nothing to undo); `actorder: group` (a
 
 Which linears are quantized, and how, comes from `config_groups` (`targets`: a class name
 such as `Linear`, `re:<regex>` or a module name) minus `ignore`. On CPU with bf16 compute
-the weights run through torch's int4 kernel (`int4.Int4Linear`); elsewhere (CUDA, fp32 or
+the weights run through modelship's W4A8 kernel (`int4.W4A8Linear`, AVX2) or torch's int4
+kernel (`int4.Int4Linear`); elsewhere (CUDA, fp32 or
 fp16 compute, shapes the kernel does not take) they are dequantized once at load time into
 a dense weight: always correct, not smaller in memory.
 """
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from modelship.model.quant.base import DenseLinear, TensorSource, bf16_upcast_rows, load_bias
-from modelship.model.quant.int4 import Int4Linear, cpu_kernel_supports, dequantize, unpack_int4
+from modelship.model.quant.int4 import create_int4_linear, dequantize, unpack_int4
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class CompressedTensorsW4A16:
 
     name = "compressed-tensors"
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], int4_kernel: str = "auto") -> None:
+        self.int4_kernel = int4_kernel
         default_format = config.get("format")
         if config.get("sparsity_config") or config.get("transform_config"):
             raise ValueError("sparsity and transform configs are not supported")
@@ -100,15 +102,16 @@ class CompressedTensorsW4A16:
             and dtype == torch.bfloat16
         ):
             group_size = group_sizes.pop()
-            u = torch.cat([p.u for p in parts])  # type: ignore[misc]
-            if cpu_kernel_supports(u.shape[0], u.shape[1], group_size):
-                return Int4Linear.from_unpacked(
-                    u,
-                    torch.cat([p.scale for p in parts]),  # type: ignore[misc]
-                    torch.cat([p.zero_point for p in parts]),  # type: ignore[misc]
-                    group_size,
-                    b,
-                ).to(device)
+            linear = create_int4_linear(
+                torch.cat([p.u for p in parts]),  # type: ignore[misc]
+                torch.cat([p.scale for p in parts]),  # type: ignore[misc]
+                torch.cat([p.zero_point for p in parts]),  # type: ignore[misc]
+                group_size,
+                b,
+                self.int4_kernel,
+            )
+            if linear is not None:
+                return linear.to(device)
             logger.info("%s: shape not taken by the int4 kernel; dequantized", prefixes[0])
         weight = torch.cat([_dense_weight(p).to(dtype=dtype, device=device) for p in parts])
         return DenseLinear(weight, b, bf16_upcast_rows(device, dtype))

@@ -13,7 +13,7 @@ class UnsupportedQuantizationError(ValueError):
     """The checkpoint's quantization is not one we can load; the message lists ours."""
 
 
-_METHODS: dict[str, Callable[[dict[str, Any]], QuantizationMethod]] = {
+_METHODS: dict[str, Callable[[dict[str, Any], str], QuantizationMethod]] = {
     "compressed-tensors": CompressedTensorsW4A16,
 }
 
@@ -23,8 +23,11 @@ def supported_quantization_methods() -> list[str]:
     return sorted(_METHODS)
 
 
-def create_quantization(quantization_config: dict[str, Any] | None) -> QuantizationMethod:
-    """The load-time handler for a checkpoint's `quantization_config` (None: dense)."""
+def create_quantization(
+    quantization_config: dict[str, Any] | None, int4_kernel: str = "auto"
+) -> QuantizationMethod:
+    """The load-time handler for a checkpoint's `quantization_config` (None: dense);
+    `int4_kernel` picks the CPU int4 kernel (`int4.create_int4_linear`)."""
     if not quantization_config:
         return Unquantized()
     method = quantization_config.get("quant_method")
@@ -35,6 +38,6 @@ def create_quantization(quantization_config: dict[str, Any] | None) -> Quantizat
             f"{', '.join(supported_quantization_methods())} (and unquantized checkpoints)"
         )
     try:
-        return factory(quantization_config)
+        return factory(quantization_config, int4_kernel)
     except ValueError as exc:
         raise UnsupportedQuantizationError(f"{method}: {exc}") from exc

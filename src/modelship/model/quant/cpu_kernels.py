@@ -1,0 +1,109 @@
+"""modelship's own CPU kernels (`csrc/q4_cpu.cpp`): built once per machine, loaded on use.
+
+The W4A8 linear needs AVX2 + FMA + F16C; on other CPUs (and when the build fails) the
+caller keeps torch's int4 kernel. The build is a torch C++ extension compiled with ninja
+into torch's extension cache (`TORCH_EXTENSIONS_DIR`), keyed on the source, so a machine
+compiles it once (`make setup` does it ahead of time) and later loads take milliseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "q4_cpu.cpp"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+CHUNK = 64  # columns per 32 packed bytes
+MAX_GROUP_SIZE = 256  # int16 partial sums of one group must not overflow
+
+
+def cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first time) and register `torch.ops.modelship.*`; False where unavailable."""
+    if not cpu_has_avx2():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name="modelship_q4_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler or ninja: torch's kernel still works
+        logger.warning("modelship CPU kernels unavailable (%s); using torch's int4 kernel", exc)
+        return False
+    return True
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    return (
+        group_size % CHUNK == 0 and group_size <= MAX_GROUP_SIZE and in_features % group_size == 0
+    )
+
+
+def pack_q4(
+    u: torch.Tensor,  # [out, in] int32 in [0, 15]
+    scale: torch.Tensor,  # [out, in / group_size]
+    zero_point: torch.Tensor,  # [out, in / group_size] signed
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (qweight uint8 [out, in / 2], scales fp16, mins fp16) in `q4_linear`'s layout.
+
+    W = (u - 8 - zero_point) * scale = u * scale + min with min = -(8 + zero_point) * scale.
+    """
+    out_features, in_features = u.shape
+    blocks = u.to(torch.uint8).view(out_features, in_features // CHUNK, 2, CHUNK // 2)
+    qweight = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+    scale = scale.float()
+    mins = -(8 + zero_point.float()) * scale
+    return qweight.contiguous(), scale.half().contiguous(), mins.half().contiguous()
+
+
+def q4_linear(
+    x: torch.Tensor,  # [n, in] bf16 or fp32, contiguous
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:  # [n, out] in x's dtype
+    return torch.ops.modelship.q4_linear(x, qweight, scales, mins, group_size)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], fp32 scales [out]): symmetric per output row."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1) / 127
+    inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+    qweight = (weight * inv[:, None]).round().clamp_(-127, 127).to(torch.int8)
+    return qweight.contiguous(), scales.contiguous()
+
+
+def q8_linear(
+    x: torch.Tensor,  # [n, in] bf16 or fp32, contiguous
+    qweight: torch.Tensor,  # [out, in] int8
+    scales: torch.Tensor,  # [out] fp32
+    group_size: int,  # activation quantization group
+) -> torch.Tensor:  # [n, out] fp32
+    return torch.ops.modelship.q8_linear(x, qweight, scales, group_size)
+
+
+def main() -> None:
+    """`python -m modelship.model.quant.cpu_kernels`: build now (setup runs this)."""
+    logging.basicConfig(level=logging.INFO)
+    print("modelship CPU kernels:", "ready" if load() else "unavailable on this machine")
+
+
+if __name__ == "__main__":
+    main()

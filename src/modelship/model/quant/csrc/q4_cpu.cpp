@@ -1,0 +1,292 @@
+// W4A8 linear for x86 CPUs with AVX2: 4-bit group-wise weights times activations quantized
+// on the fly to int8, the integer products summed with vpmaddubsw/vpmaddwd.
+//
+// Why: torch's `_weight_int4pack_mm_for_cpu` runs bf16 arithmetic, which AVX2 CPUs emulate;
+// an integer dot product reads the same 4-bit weights and does 32 multiply-adds per
+// instruction.
+//
+// Layouts (written by `modelship.model.quant.cpu_kernels.pack_q4`):
+//   qweight  uint8 [N, K/2]: per chunk of 64 input columns 32 bytes, byte i holding
+//            column i in its low nibble and column i+32 in its high nibble (u in [0, 15])
+//   scales   fp16 [N, K/G], mins fp16 [N, K/G]: W[n, k] = u * scale + min, per group of G
+//            columns (G a multiple of 64, at most 256)
+//   x        [M, K] bf16 or fp32 -> per row, per group of G: int8 q and one scale d,
+//            x ~= q * d (symmetric, round to nearest). The integer dot products of a
+//            group add up in int16 lanes, so G <= 256 keeps them from overflowing.
+// Every output row is reduced in the same order whatever M is and however rows are tiled,
+// so a request's result never depends on which other requests share its batch.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 64;   // columns per 32 packed bytes
+constexpr int kRowTile = 4;  // activation rows sharing one unpacked weight chunk
+
+struct QuantizedActivations {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K / G]: one scale per row and weight group
+  std::vector<float> qsum;   // [M, K / G]: d * sum(q) over the group
+};
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// One row of x (K floats) -> int8 per group of G columns, x ~= q * d.
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d, float* qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < K / G; ++g) {
+    const float* xg = x + g * G;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t j = 0; j < G; j += 8) {
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + j)));
+    }
+    const float scale = hmax(amax) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t j = 0; j < G; j += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xg + j), inv);
+      const __m256i r =
+          _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm256_add_epi32(total, r);
+      // int32 -> int8 (values are within [-127, 127]); packs keep lanes 0-3 | 4-7 order
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + g * G + j), _mm_packs_epi16(w16, w16));
+    }
+    d[g] = scale;
+    qsum[g] = scale * hsum(_mm256_cvtepi32_ps(total));
+  }
+}
+
+QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedActivations a;
+  a.q.resize(M * K);
+  a.d.resize(M * (K / G));
+  a.qsum.resize(M * (K / G));
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = is_bf16 ? nullptr : x.data_ptr<float>();
+  const uint16_t* xb = is_bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = xf ? xf + m * K : row.data();
+      if (xb) {
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(xb[m * K + k]) << 16;
+          std::memcpy(&row[k], &bits, sizeof(float));
+        }
+      }
+      quantize_row(src, K, G, a.q.data() + m * K, a.d.data() + m * (K / G),
+                   a.qsum.data() + m * (K / G));
+    }
+  });
+  return a;
+}
+
+// Output column n for activation rows m0 .. m0 + R - 1; R is a template argument so that
+// the accumulators live in registers.
+template <int R, typename OutT>
+inline void q4_tile(const QuantizedActivations& a, const uint8_t* wrow, const c10::Half* srow,
+                    const c10::Half* mrow, int64_t m0, int64_t n, int64_t N, int64_t K,
+                    int64_t G, OutT* out) {
+  const int64_t num_groups = K / G;
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float min_term[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    min_term[r] = 0.0f;
+  }
+  const int8_t* q_tile = a.q.data() + m0 * K;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m256i isum[R];  // int16 lanes; |.| <= G / 64 * 2 * 2 * 15 * 127 < 2^15 for G <= 256
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int64_t col = g * G; col < (g + 1) * G; col += kChunk) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + col / 2));
+      const __m256i lo = _mm256_and_si256(bytes, low_mask);  // columns col .. col + 31
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);  // + 32
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = q_tile + r * K + col;
+        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+        isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0),
+                                                             _mm256_maddubs_epi16(hi, q1)));
+      }
+    }
+    const float s = _cvtsh_ss(srow[g].x);  // F16C, not c10::Half's bit-twiddling
+    const float mn = _cvtsh_ss(mrow[g].x);
+    for (int r = 0; r < R; ++r) {
+      const int64_t ag = (m0 + r) * num_groups + g;
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[ag]), acc[r]);
+      min_term[r] += mn * a.qsum[ag];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[(m0 + r) * N + n] = static_cast<OutT>(hsum(acc[r]) + min_term[r]);
+  }
+}
+
+template <typename OutT>
+void q4_rows(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
+             const c10::Half* mins, int64_t M, int64_t N, int64_t K, int64_t G, OutT* out) {
+  const int64_t num_groups = K / G;
+  at::parallel_for(0, N, 8, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const uint8_t* w = qweight + n * (K / 2);
+      const c10::Half* s = scales + n * num_groups;
+      const c10::Half* mn = mins + n * num_groups;
+      int64_t m0 = 0;
+      for (; m0 + kRowTile <= M; m0 += kRowTile) {
+        q4_tile<kRowTile>(a, w, s, mn, m0, n, N, K, G, out);
+      }
+      switch (M - m0) {
+        case 3: q4_tile<3>(a, w, s, mn, m0, n, N, K, G, out); break;
+        case 2: q4_tile<2>(a, w, s, mn, m0, n, N, K, G, out); break;
+        case 1: q4_tile<1>(a, w, s, mn, m0, n, N, K, G, out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// int8 weights (symmetric, one scale per output row) x int8 activations: output column n
+// for activation rows m0 .. m0 + R - 1. vpmaddubsw needs an unsigned operand, so it gets
+// |w| and the activations take w's sign (vpsignb); a pair sum stays below 2 * 128 * 127.
+template <int R, typename OutT>
+inline void q8_tile(const QuantizedActivations& a, const int8_t* wrow, float wscale,
+                    int64_t m0, int64_t n, int64_t N, int64_t K, int64_t G, OutT* out) {
+  const int64_t num_groups = K / G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* q_tile = a.q.data() + m0 * K;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m256i isum[R];  // int32 lanes
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int64_t col = g * G; col < (g + 1) * G; col += 32) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + col));
+      const __m256i w_abs = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i q =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_tile + r * K + col));
+        const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(q, w));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + r) * num_groups + g]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), d, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[(m0 + r) * N + n] = static_cast<OutT>(hsum(acc[r]) * wscale);
+  }
+}
+
+template <typename OutT>
+void q8_rows(const QuantizedActivations& a, const int8_t* qweight, const float* wscales,
+             int64_t M, int64_t N, int64_t K, int64_t G, OutT* out) {
+  at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int8_t* w = qweight + n * K;
+      int64_t m0 = 0;
+      for (; m0 + kRowTile <= M; m0 += kRowTile) {
+        q8_tile<kRowTile>(a, w, wscales[n], m0, n, N, K, G, out);
+      }
+      switch (M - m0) {
+        case 3: q8_tile<3>(a, w, wscales[n], m0, n, N, K, G, out); break;
+        case 2: q8_tile<2>(a, w, wscales[n], m0, n, N, K, G, out); break;
+        case 1: q8_tile<1>(a, w, wscales[n], m0, n, N, K, G, out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] (bf16 or fp32, contiguous) -> [M, N] in x's dtype.
+torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& scales, const torch::Tensor& mins,
+                        int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bf16 or fp32");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight: uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
+              "scales and mins: fp16");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(group_size % kChunk == 0 && group_size <= 256 && K % group_size == 0,
+              "group_size must be a multiple of 64 (at most 256) dividing K");
+  TORCH_CHECK(qweight.size(1) * 2 == K, "qweight must be [N, K/2]");
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / group_size, "scales: [N, K/G]");
+  TORCH_CHECK(mins.sizes() == scales.sizes(), "mins: [N, K/G]");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const QuantizedActivations a = quantize_activations(x, group_size);
+  const auto* w = qweight.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<c10::Half>();
+  const auto* mn = mins.data_ptr<c10::Half>();
+  if (x.scalar_type() == at::kBFloat16) {
+    q4_rows<c10::BFloat16>(a, w, s, mn, M, N, K, group_size, out.data_ptr<c10::BFloat16>());
+  } else {
+    q4_rows<float>(a, w, s, mn, M, N, K, group_size, out.data_ptr<float>());
+  }
+  return out;
+}
+
+// x [M, K] (bf16 or fp32, contiguous), qweight int8 [N, K], wscales fp32 [N]: W = q * scale.
+// Activations are quantized per group of `group_size` columns -> [M, N] fp32.
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& wscales, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "x must be bf16 or fp32");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.is_contiguous(), "qweight: int8");
+  TORCH_CHECK(wscales.scalar_type() == at::kFloat && wscales.is_contiguous(), "wscales: fp32");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K && wscales.size(0) == N, "qweight [N, K], wscales [N]");
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0,
+              "group_size must be a multiple of 32 dividing K");
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+  const QuantizedActivations a = quantize_activations(x, group_size);
+  q8_rows<float>(a, qweight.data_ptr<int8_t>(), wscales.data_ptr<float>(), M, N, K, group_size,
+                 out.data_ptr<float>());
+  return out;
+}
+
+TORCH_LIBRARY(modelship, m) {
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor wscales, int group_size) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(modelship, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -3,6 +3,7 @@ health checks, bad input, priority shedding and the queue cap, timeouts, a dead 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -307,8 +308,18 @@ def test_only_replica_faults_open_the_breaker(replica: ServerProcess, start_gate
     # ... and one giving up on a long non-streaming answer.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=long_answer, headers=headers, timeout=httpx.Timeout(60, read=0.3))
+    # ... and one gone before its whole body arrived.
+    with socket.create_connection((gateway.host, gateway.port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+            + f"authorization: Bearer {HIGH}\r\n".encode()
+            + b'content-type: application/json\r\ncontent-length: 1000\r\n\r\n{"model"'
+        )
     wait_until_idle(gateway)
-    assert metric(gateway, "modelship_gateway_requests_total", status="499") == 2
+    deadline = time.monotonic() + 30
+    while metric(gateway, "modelship_gateway_requests_total", status="499") < 3:
+        assert time.monotonic() < deadline, "a client's hang-up was not recorded as a 499"
+        time.sleep(0.05)
     # A request the replica refuses as bad input.
     assert post(gateway, chat(temperature=-3)).status_code == 400
 

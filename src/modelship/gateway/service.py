@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from modelship.gateway.admission import AdmissionQueue
@@ -197,6 +197,9 @@ class GatewayService:
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
             return error.response(request_id)
+        except ClientDisconnect:  # gone before its body arrived
+            self.metrics.requests.labels(tenant_name, "499", "none", "none").inc()
+            return Response(status_code=499)
         try:
             return await self._forward_while_connected(request, parsed, tenant, hold, request_id)
         except GatewayError as error:

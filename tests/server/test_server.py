@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -261,6 +263,51 @@ def test_disconnect_aborts_and_frees_blocks(server: ServerProcess) -> None:
     assert metric(server, "modelship:request_success_total", finished_reason="abort") >= 1
     assert metric(server, "modelship:num_requests_running") == 0
     assert metric(server, "modelship:kv_cache_usage_perc") <= before_usage
+
+
+def test_clients_hanging_up_during_admission_leave_the_replica_serving(
+    tiny_llama_dir: Path,
+) -> None:
+    """Clients that send a request and hang up while it waits for the engine thread (busy
+    with long prefill steps): the server cancels the handler mid-admission, and the engine
+    thread must survive that race (it used to die, hanging every later request while
+    /ready and /health still said 200)."""
+    process = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--max-num-batched-tokens", "8192"
+    )
+    rng = random.Random(0)
+
+    def send_and_hang_up() -> None:
+        prompt = [rng.randrange(3, 300) for _ in range(500)]  # distinct: no prefix hits
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": True})
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((process.host, process.port), timeout=10) as sock:
+            sock.sendall(head.encode() + body.encode())
+            time.sleep(0.03)  # long enough for the handler to start, then hang up
+
+    try:
+        threads = []
+        for _ in range(48):  # staggered, so that requests arrive during long steps
+            threads.append(threading.Thread(target=send_and_hang_up))
+            threads[-1].start()
+            time.sleep(0.015)
+        for t in threads:
+            t.join()
+        client = openai.OpenAI(
+            base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60
+        )
+        after = client.completions.create(
+            model=MODEL, prompt="still serving", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert after.usage.completion_tokens == 3
+        assert httpx.get(f"{process.url}/ready").status_code == 200
+        assert httpx.get(f"{process.url}/health").status_code == 200
+        assert "InvalidStateError" not in process.log()
+    finally:
+        process.stop()
 
 
 def test_metrics_move_after_requests(server: ServerProcess, client: openai.OpenAI) -> None:

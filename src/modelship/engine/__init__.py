@@ -2,7 +2,7 @@
 
 from modelship.engine.async_engine import AsyncLLMEngine
 from modelship.engine.config import EngineConfig
-from modelship.engine.errors import EngineOverloadedError, RequestTooLongError
+from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
 from modelship.engine.llm import LLM
 from modelship.engine.llm_engine import LLMEngine
 from modelship.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
@@ -13,6 +13,7 @@ __all__ = [
     "AsyncLLMEngine",
     "CompletionOutput",
     "EngineConfig",
+    "EngineDeadError",
     "EngineOverloadedError",
     "InvalidParamsError",
     "LLMEngine",

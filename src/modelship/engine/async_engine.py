@@ -4,12 +4,19 @@ The model step is CPU/GPU-bound and blocks for milliseconds, so it runs on a ded
 thread; the asyncio side only exchanges small messages with it. `add_request` is resolved
 by the engine thread at the start of its next step, so admission errors
 (`EngineOverloadedError`, `RequestTooLongError`) are raised to the caller, and a request
-id is either in the engine or was never added.
+id is either in the engine or was never added. A caller cancelled while it waits for that
+answer aborts the request, whether or not the engine took it.
+
+Any unexpected exception on the engine thread (a failed step included: the KV cache and
+scheduler may be half updated) stops the engine for good: every open request fails with
+`EngineDeadError`, later `add_request` calls raise it at once, and `is_dead` turns true
+so the server reports itself unhealthy and a supervisor restarts the replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelship.engine.config import EngineConfig
+from modelship.engine.errors import EngineDeadError
 from modelship.engine.llm_engine import LLMEngine
 from modelship.engine.outputs import EngineStats, SequenceDelta
 from modelship.engine.sampling_params import SamplingParams
@@ -51,6 +59,10 @@ class AsyncLLMEngine:
         self._sinks: dict[str, Callable[[SequenceDelta | BaseException], None]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> sequences not finished yet
         self._stats = engine.stats()
+        # Set once by the engine thread when it stops; the lock orders it with `_inbox.put`
+        # so that no message is queued after the thread drained the inbox for the last time.
+        self._error: EngineDeadError | None = None
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="modelship-engine", daemon=True)
         self._stopped = threading.Event()
         self._thread.start()
@@ -67,6 +79,11 @@ class AsyncLLMEngine:
         """The snapshot taken after the last step (running, waiting, KV usage, ...)."""
         return self._stats
 
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine thread has stopped (an error or shutdown); never false again."""
+        return self._error is not None
+
     async def add_request(
         self,
         request_id: str,
@@ -77,19 +94,30 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[SequenceDelta]:
         """Admit a request and return an iterator over its deltas (ends when all finish).
 
-        Raises the engine's admission errors here. Closing the iterator early (e.g. the
-        client went away) aborts the request and frees its blocks.
+        Raises the engine's admission errors here, and `EngineDeadError` once the engine
+        has stopped. Closing the iterator early (e.g. the client went away) aborts the
+        request and frees its blocks.
         """
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[SequenceDelta | BaseException] = asyncio.Queue()
 
         def deliver(item: SequenceDelta | BaseException) -> None:
-            loop.call_soon_threadsafe(deltas.put_nowait, item)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         accepted: Future = Future()
-        add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt)
-        self._inbox.put(add)
-        await asyncio.wrap_future(accepted)  # raises the admission error, if any
+        with self._lock:
+            if self._error is not None:
+                raise EngineDeadError(str(self._error))
+            add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt)
+            self._inbox.put(add)
+        try:
+            await asyncio.wrap_future(accepted)  # raises the admission error, if any
+        except asyncio.CancelledError:
+            # The engine may have taken the request already (then the future could not be
+            # cancelled); an abort of a request the engine never took does nothing.
+            self.abort(request_id)
+            raise
         return self._stream(request_id, params.n, deltas)
 
     async def _stream(
@@ -121,18 +149,19 @@ class AsyncLLMEngine:
             while True:
                 block = not self.engine.has_unfinished()
                 if not self._drain_inbox(block):
+                    self._stop(EngineDeadError("the engine was shut down"))
                     return
                 if not self.engine.has_unfinished():
                     continue
-                try:
-                    deltas = self.engine.step()
-                except Exception as exc:  # a failed step must not leave callers waiting
-                    logger.exception("engine step failed")
-                    self._fail_all(exc)
-                    continue
+                deltas = self.engine.step()
                 self._stats = self.engine.stats()
                 for delta in deltas:
                     self._dispatch(delta)
+        except BaseException as exc:
+            logger.exception("the engine thread died; failing every open request")
+            error = EngineDeadError(f"the engine stopped after an internal error: {exc!r}")
+            error.__cause__ = exc
+            self._stop(error)
         finally:
             self._stopped.set()
 
@@ -145,13 +174,15 @@ class AsyncLLMEngine:
                 return True
             block = False
             if message is None:
-                self._fail_all(RuntimeError("the engine was shut down"))
                 return False
             if isinstance(message, _Abort):
                 for delta in self.engine.abort(message.request_id):
                     self._dispatch(delta)
                 self._stats = self.engine.stats()
                 continue
+            if not message.accepted.set_running_or_notify_cancel():
+                continue  # the caller went away before the engine saw the request
+            # From here on the future cannot be cancelled, so setting it cannot raise.
             try:
                 self.engine.add_request(
                     message.request_id,
@@ -160,7 +191,7 @@ class AsyncLLMEngine:
                     message.priority,
                     message.cache_salt,
                 )
-            except Exception as exc:
+            except Exception as exc:  # the engine added nothing (add_request is atomic)
                 message.accepted.set_exception(exc)
                 continue
             self._sinks[message.request_id] = message.deliver
@@ -181,9 +212,19 @@ class AsyncLLMEngine:
                 self._sinks.pop(delta.request_id, None)
                 del self._unfinished[delta.request_id]
 
-    def _fail_all(self, exc: BaseException) -> None:
-        for request_id, sink in list(self._sinks.items()):
-            self.engine.abort(request_id)
-            sink(exc)
+    def _stop(self, error: EngineDeadError) -> None:
+        """Refuse new requests, then fail the queued and the open ones with `error`. The
+        engine itself is left alone: after an error its state is not trusted."""
+        with self._lock:
+            self._error = error
+        while True:
+            try:
+                message = self._inbox.get(block=False)
+            except queue.Empty:
+                break
+            if isinstance(message, _Add) and message.accepted.set_running_or_notify_cancel():
+                message.accepted.set_exception(EngineDeadError(str(error)))
+        for sink in self._sinks.values():
+            sink(EngineDeadError(str(error)))
         self._sinks.clear()
         self._unfinished.clear()

@@ -14,3 +14,9 @@ class EngineOverloadedError(Exception):
 
 class RequestTooLongError(ValueError):
     """The request can never fit (context length or the whole KV pool); maps to 400."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (an unexpected error, or shutdown): every open request
+    fails with it and new ones are refused at once; the server answers 503 and reports
+    itself not ready and unhealthy, so a supervisor restarts the replica."""

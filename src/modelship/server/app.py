@@ -100,12 +100,16 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # A dead engine thread never recovers: unhealthy, so a supervisor restarts us.
+        return Response(status_code=503 if engine.is_dead else 200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        ok = state.ready and not state.draining
-        status = "ready" if ok else ("draining" if state.draining else "starting")
+        ok = state.ready and not state.draining and not engine.is_dead
+        if engine.is_dead:
+            status = "dead"
+        else:
+            status = "ready" if ok else ("draining" if state.draining else "starting")
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

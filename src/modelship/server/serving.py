@@ -11,6 +11,7 @@ from typing import Any
 
 from modelship.engine import (
     AsyncLLMEngine,
+    EngineDeadError,
     EngineOverloadedError,
     InvalidParamsError,
     RequestTooLongError,
@@ -19,7 +20,12 @@ from modelship.engine import (
 )
 from modelship.engine.outputs import TokenLogprob
 from modelship.server import protocol as p
-from modelship.server.errors import BadRequestError, ModelNotFoundError, OverloadedError
+from modelship.server.errors import (
+    BadRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+    UnavailableError,
+)
 from modelship.server.metrics import ServerMetrics
 
 
@@ -158,6 +164,8 @@ class OpenAIServing:
             raise BadRequestError(str(exc), "max_tokens") from exc
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from exc
         self.metrics.prompt_tokens.inc(len(prompt))
         last: dict[int, float] = {}
         # aclosing: a client that goes away closes this generator, which closes the engine
@@ -168,6 +176,8 @@ class OpenAIServing:
                 async for delta in stream:
                     num_unfinished -= delta.finish_reason is not None
                     yield self._observe(delta, arrival, last)
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from exc
         finally:
             for _ in range(num_unfinished):  # closed early: the engine aborts these
                 self.metrics.request_finished("abort")
@@ -255,6 +265,10 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _engine_dead(exc: EngineDeadError) -> UnavailableError:
+    return UnavailableError(f"{exc}; retry on another replica")
 
 
 def sse(payload: p.BaseModel | dict) -> str:

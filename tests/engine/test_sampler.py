@@ -137,3 +137,12 @@ def test_mixed_greedy_and_random_rows() -> None:
     out = sample(logits.clone(), meta(params, generators=[None, torch.Generator().manual_seed(0)]))
     assert int(out.token_ids[0]) == int(logits[0].argmax())
     assert out.logprobs is None
+
+
+def test_top_k_and_logprobs_beyond_the_vocab_are_clamped_not_overflowed() -> None:
+    params = SamplingParams(temperature=1.0, logprobs=5)
+    params.top_k = 2**63  # past validation: the sampler must still not overflow int64
+    params.logprobs = VOCAB + 10
+    out = sample(torch.randn(1, VOCAB), meta([params], generators=[torch.Generator()]))
+    assert 0 <= out.token_ids[0] < VOCAB
+    assert out.top_logprob_ids.shape == (1, VOCAB)

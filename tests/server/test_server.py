@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import socket
 import threading
@@ -211,6 +212,42 @@ def test_errors_are_openai_bodies(server, body, status, fragment) -> None:
     error = response.json()["error"]
     assert fragment in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/completions", {"top_k": 2**63}, "top_k"),
+        ("/v1/completions", {"top_k": 10**6}, "top_k"),  # beyond the vocab
+        ("/v1/completions", {"seed": 2**64, "n": 2}, "seed"),
+        ("/v1/completions", {"seed": -(2**63) - 1}, "seed"),
+        ("/v1/completions", {"temperature": math.nan}, "temperature"),
+        ("/v1/completions", {"temperature": math.inf}, "temperature"),
+        ("/v1/completions", {"top_p": math.inf}, "top_p"),
+        ("/v1/completions", {"repetition_penalty": math.inf}, "repetition_penalty"),
+        ("/v1/completions", {"presence_penalty": math.nan}, "presence_penalty"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"frequency_penalty": -math.inf}, "frequency_penalty"),
+    ],
+)
+def test_out_of_range_params_are_400_naming_the_param(
+    server: ServerProcess, client: openai.OpenAI, path: str, fields: dict, param: str
+) -> None:
+    """Checked before the request is queued: never a 500, never a failed engine step."""
+    body: dict = {"model": MODEL, "max_tokens": 4, "temperature": 1.0, **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "Paged attention"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    response = raw(server, path, json.dumps(body))  # NaN and Infinity as Python's json writes
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    after = client.completions.create(model=MODEL, prompt="still fine", max_tokens=2)
+    assert after.choices[0].finish_reason in ("stop", "length")
+    assert metric(server, "modelship:num_requests_waiting") == 0
 
 
 def test_missing_or_wrong_key_is_401(server: ServerProcess) -> None:

@@ -117,13 +117,15 @@ class LLMEngine:
         """Queue a request and return its prompt token ids. Only requests with the same
         `cache_salt` (a tenant's cache namespace) share prefix-cache blocks.
 
-        Raises `EngineOverloadedError` / `RequestTooLongError` at once, leaving no trace."""
+        Raises `InvalidParamsError`, `EngineOverloadedError` / `RequestTooLongError` at once,
+        leaving no trace."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        vocab_size = self.model.config.vocab_size
+        params.verify(vocab_size)
         prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        vocab_size = self.model.config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         seqs = [

@@ -58,10 +58,10 @@ class SamplingMetadata:
         if needs_penalties:
             prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
             output_counts = _token_counts(output_token_ids, vocab_size, device)
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         greedy = [p.is_greedy for p in params]
         return cls(
-            temperature=column([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            temperature=column([1.0 if p.is_greedy else p.temperature for p in params]),
             top_k=column(top_k, torch.long),
             top_p=column([p.top_p for p in params]),
             min_p=column([p.min_p for p in params]),
@@ -77,8 +77,9 @@ class SamplingMetadata:
             needs_top_k=any(k < vocab_size for k in top_k),
             needs_top_p=any(p.top_p < 1.0 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
-            max_num_logprobs=max(
-                (p.logprobs for p in params if p.logprobs is not None), default=-1
+            max_num_logprobs=min(
+                max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+                vocab_size,
             ),
         )
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; seeds are int64 (as in vLLM's and
+# OpenAI's APIs), so `seed + index` of every sibling still fits.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
 
 
 class InvalidParamsError(ValueError):
@@ -17,10 +23,12 @@ class InvalidParamsError(ValueError):
 class SamplingParams:
     """How to sample one request's completion(s). Mirrors vLLM's `SamplingParams` fields.
 
-    temperature == 0 means greedy. `top_k` <= 0 and `top_p` == 1 and `min_p` == 0 disable
-    those filters. `seed` makes sampling reproducible for this request regardless of which
-    other requests share its batch. `logprobs` is the number of top alternatives to return
-    per generated token (None: no logprobs; 0: only the sampled token's logprob).
+    temperature == 0 (or below 1e-5) means greedy. `top_k` <= 0 and `top_p` == 1 and
+    `min_p` == 0 disable those filters. `seed` makes sampling reproducible for this request
+    regardless of which other requests share its batch. `logprobs` is the number of top
+    alternatives to return per generated token (None: no logprobs; 0: only the sampled
+    token's logprob). Construction checks every field's type and range (finite numbers,
+    an int64 seed); `verify(vocab_size)` adds the checks that need the model.
     """
 
     n: int = 1
@@ -45,6 +53,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check()
+
+    def _check(self) -> None:
+        for param in _INTS:
+            value = getattr(self, param)
+            if not (value is None and param in _OPTIONAL) and not _is_int(value):
+                raise InvalidParamsError(param, f"{param} must be an integer")
+        for param in _FLOATS:
+            value = getattr(self, param)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidParamsError(param, f"{param} must be a number")
+            if not math.isfinite(value):
+                raise InvalidParamsError(param, f"{param} must be a finite number")
         checks = [
             ("n", self.n >= 1, "n must be at least 1"),
             (
@@ -57,6 +78,11 @@ class SamplingParams:
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (
+                "seed",
+                self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+                f"seed must be in [{SEED_MIN}, {SEED_MAX}]",
+            ),
             (
                 "repetition_penalty",
                 self.repetition_penalty > 0.0,
@@ -74,19 +100,61 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= 20,
-                "logprobs must be in [0, 20]",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-                "prompt_logprobs must be in [0, 20]",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "stop",
+                all(isinstance(s, str) for s in self.stop),
+                "stop must be a string or a list of strings",
+            ),
+            (
+                "stop_token_ids",
+                all(_is_int(t) for t in self.stop_token_ids),
+                "stop_token_ids must be a list of integers",
             ),
         ]
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParamsError(param, message)
 
+    def verify(self, vocab_size: int) -> None:
+        """Every check again (the fields may have been changed since construction), then
+        the ones that need the model: raises `InvalidParamsError` for a `top_k` or a
+        number of logprobs beyond the vocabulary (the sampler would index past it)."""
+        self._check()
+        if self.top_k > vocab_size:
+            raise InvalidParamsError("top_k", f"top_k must be at most the vocab size, {vocab_size}")
+        for param in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, param)
+            if value is not None and value > vocab_size:
+                raise InvalidParamsError(
+                    param, f"{param} must be at most the vocab size, {vocab_size}"
+                )
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf and the softmax to NaN.
+        return self.temperature < _MIN_TEMPERATURE
+
+
+_MIN_TEMPERATURE = 1e-5
+_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

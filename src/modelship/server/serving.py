@@ -143,7 +143,10 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
             )
         except InvalidParamsError as exc:
-            raise BadRequestError(str(exc), exc.param) from exc
+            param = exc.param
+            if isinstance(request, p.ChatCompletionRequest) and param == "logprobs":
+                param = "top_logprobs"  # the chat API's name for the same number
+            raise BadRequestError(str(exc), param) from exc
 
     async def generate(
         self,
@@ -162,6 +165,8 @@ class OpenAIServing:
             raise OverloadedError(str(exc), headers={"Retry-After": retry_after}) from exc
         except RequestTooLongError as exc:
             raise BadRequestError(str(exc), "max_tokens") from exc
+        except InvalidParamsError as exc:  # the checks that need the model (top_k <= vocab)
+            raise BadRequestError(str(exc), exc.param) from exc
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
         except EngineDeadError as exc:

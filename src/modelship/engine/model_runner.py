@@ -42,8 +42,10 @@ class ModelRunner:
         kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
+        attention_backend: str = "sdpa",
     ) -> None:
         self.model = model
+        self.attention_backend = attention_backend  # "cpu" or "sdpa", resolved by the engine
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -73,7 +75,7 @@ class ModelRunner:
                 sample_indices.append(len(token_ids) - 1)
                 sampled_seqs.append(seq)
         attn_metadata = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device
+            query_lens, seq_lens, block_tables, self.block_size, self.device, self.attention_backend
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -1,4 +1,10 @@
-"""Paged attention over the flat KV cache, with SDPA.
+"""Paged attention over the flat KV cache: modelship's CPU kernel, or SDPA.
+
+On an AVX2 CPU with an fp32 cache (the default there) every token of the step, decode and
+prefill alike, goes through one call of `cpu_kernels.paged_attention` per layer: it reads
+K/V through the block tables in place and visits each query's keys block by block in
+position order, so a query's result does not depend on the rest of the batch or on how
+its prompt was chunked or cached (deterministic greedy decoding). Elsewhere, SDPA:
 
 Measured on a 2-core CPU: fp32 `scaled_dot_product_attention(..., enable_gqa=True)` is fast
 and exact for decode, bf16 SDPA is several times slower, and repeating KV heads costs more
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from modelship.model import cpu_kernels
 from modelship.model.kv_cache import KVCache
 
 
@@ -45,6 +52,12 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decode, max_len] context slots, padded with 0
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len]; None: no padding
     prefills: list[PrefillChunk]
+    # The CPU kernel's inputs (None when the step runs on SDPA): blocks of each request
+    # [num_requests, width] int32, and each token's request and position [num_tokens] int32.
+    block_table: torch.Tensor | None = None
+    token_request: torch.Tensor | None = None
+    token_position: torch.Tensor | None = None
+    block_size: int = 0
 
     @classmethod
     def build(
@@ -54,11 +67,13 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        backend: str = "sdpa",
     ) -> AttentionMetadata:
         """Request i runs `query_lens[i]` new tokens, the last ones of its `seq_lens[i]`.
 
         `block_tables[i]` must cover `seq_lens[i]` tokens. Python work is per request and
         per block, never per token; index tensors are built on the CPU and moved once.
+        `backend`: "cpu" (modelship's kernel; see the module docstring) or "sdpa".
         """
         num_requests = len(query_lens)
         if not num_requests or not len(seq_lens) == len(block_tables) == num_requests:
@@ -83,6 +98,22 @@ class AttentionMetadata:
         first_row = torch.cumsum(q_lens, 0) - q_lens
         positions = torch.arange(num_tokens) - first_row[request] + (s_lens - q_lens)[request]
         slot_mapping = slots[request, positions]
+        if backend == "cpu":
+            return cls(
+                slot_mapping=slot_mapping,
+                num_tokens=num_tokens,
+                num_decode=0,
+                decode_rows=None,
+                decode_slots=None,
+                decode_mask=None,
+                prefills=[],
+                block_table=table.to(torch.int32),
+                token_request=request.to(torch.int32),
+                token_position=positions.to(torch.int32),
+                block_size=block_size,
+            )
+        if backend != "sdpa":
+            raise ValueError(f"attention backend {backend!r}; supported: cpu, sdpa")
 
         decode = [i for i, q in enumerate(query_lens) if q == 1]
         decode_rows = decode_slots = decode_mask = None
@@ -131,6 +162,17 @@ def paged_attention(
     out_dtype, work_dtype = q.dtype, cache.kv.dtype
     kv = kv.to(work_dtype)
     cache.kv.index_copy_(0, meta.slot_mapping, kv)
+    if meta.block_table is not None:
+        out = cpu_kernels.paged_attention(
+            q.to(torch.float32).contiguous(),
+            cache.kv,
+            meta.block_table,
+            meta.token_request,
+            meta.token_position,
+            meta.block_size,
+            scale,
+        )
+        return out.to(out_dtype)
     q = q.to(work_dtype)
     if not meta.prefills:  # decode only: the common step, no scatter needed
         return _decode(q, cache, meta, scale).to(out_dtype)
@@ -177,3 +219,26 @@ def _decode(
         enable_gqa=True,
     )
     return o.squeeze(2)
+
+
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
+
+
+def resolve_attention_backend(
+    backend: str, device: torch.device | str, cache_dtype: torch.dtype
+) -> str:
+    """ "auto" -> "cpu" on an AVX2 CPU with an fp32 cache (kernel built), else "sdpa"."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention backend {backend!r}; supported: {', '.join(ATTENTION_BACKENDS)}"
+        )
+    usable = torch.device(device).type == "cpu" and cache_dtype == torch.float32
+    if backend == "sdpa" or (backend == "auto" and not usable):
+        return "sdpa"
+    if not usable:
+        raise ValueError("the cpu attention backend needs a CPU device and an fp32 KV cache")
+    if not cpu_kernels.load():
+        if backend == "cpu":
+            raise RuntimeError("the cpu attention backend needs modelship's kernels (AVX2)")
+        return "sdpa"
+    return "cpu"

@@ -1,7 +1,11 @@
-"""modelship's own CPU kernels (`csrc/q4_cpu.cpp`): built once per machine, loaded on use.
+"""modelship's own CPU kernels (`csrc/`): built once per machine, loaded on use.
 
-The W4A8 linear needs AVX2 + FMA + F16C; on other CPUs (and when the build fails) the
-caller keeps torch's int4 kernel. The build is a torch C++ extension compiled with ninja
+- `q4_linear` (W4A8) and `q8_linear` (W8A8): `csrc/q4_cpu.cpp`, used by `quant.int4` and
+  `quant.int8`;
+- `paged_attention`: `csrc/attention_cpu.cpp`, used by `attention.py`.
+
+They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
+kernels. The build is a torch C++ extension compiled with ninja
 into torch's extension cache (`TORCH_EXTENSIONS_DIR`), keyed on the source, so a machine
 compiles it once (`make setup` does it ahead of time) and later loads take milliseconds.
 """
@@ -16,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "q4_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("q4_cpu.cpp", "attention_cpu.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 CHUNK = 64  # columns per 32 packed bytes
 MAX_GROUP_SIZE = 256  # int16 partial sums of one group must not overflow
@@ -36,7 +40,7 @@ def load() -> bool:
 
         cpp_extension.load(
             name="modelship_q4_cpu",
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -99,11 +103,21 @@ def q8_linear(
     return torch.ops.modelship.q8_linear(x, qweight, scales, group_size)
 
 
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim] fp32, contiguous
+    kv: torch.Tensor,  # [num_slots, 2, kv_heads, head_dim] fp32
+    block_table: torch.Tensor,  # [num_requests, width] int32
+    token_request: torch.Tensor,  # [num_tokens] int32
+    token_position: torch.Tensor,  # [num_tokens] int32
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim] fp32
+    return torch.ops.modelship.paged_attention(
+        q, kv, block_table, token_request, token_position, block_size, scale
+    )
+
+
 def main() -> None:
-    """`python -m modelship.model.quant.cpu_kernels`: build now (setup runs this)."""
-    logging.basicConfig(level=logging.INFO)
+    """Build now (`make setup` runs this)."""
+    logging.basicConfig(level=logging.INFO)  # build errors are logged, then False
     print("modelship CPU kernels:", "ready" if load() else "unavailable on this machine")
-
-
-if __name__ == "__main__":
-    main()

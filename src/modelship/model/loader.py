@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
-from modelship.model.quant import cpu_kernels, create_quantization
+from modelship.model.quant import create_quantization
 from modelship.model.registry import CausalLM, create_model
 
 logger = logging.getLogger(__name__)

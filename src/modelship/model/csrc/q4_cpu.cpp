@@ -5,7 +5,7 @@
 // an integer dot product reads the same 4-bit weights and does 32 multiply-adds per
 // instruction.
 //
-// Layouts (written by `modelship.model.quant.cpu_kernels.pack_q4`):
+// Layouts (written by `modelship.model.cpu_kernels.pack_q4`):
 //   qweight  uint8 [N, K/2]: per chunk of 64 input columns 32 bytes, byte i holding
 //            column i in its low nibble and column i+32 in its high nibble (u in [0, 15])
 //   scales   fp16 [N, K/G], mins fp16 [N, K/G]: W[n, k] = u * scale + min, per group of G

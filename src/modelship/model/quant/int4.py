@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelship.model.quant import cpu_kernels
+from modelship.model import cpu_kernels
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # what `_weight_int4pack_mm_for_cpu` accepts
 _INNER_K_TILES = 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelship.model.quant import cpu_kernels
+from modelship.model import cpu_kernels
 
 ACTIVATION_GROUP = 64
 

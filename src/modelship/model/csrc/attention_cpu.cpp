@@ -1,0 +1,182 @@
+// Paged attention for CPUs with AVX2, reading keys and values straight from the block pool.
+//
+// Every query token attends to its request's positions 0 .. pos, visited KV block by KV block
+// in position order with an online softmax. A query's result therefore depends only on the
+// query and those keys: not on how many other tokens share the step, nor on whether its
+// prompt was computed in one chunk, in several, or partly taken from the prefix cache. That
+// is what makes greedy decoding repeatable across batch compositions and cache hits.
+//
+//   q            [T, H, D] fp32 (rotated), contiguous
+//   kv           [num_slots, 2, KVH, D] fp32: slot = block_id * block_size + offset
+//   block_table  [R, W] int32: physical blocks of each request
+//   token_req    [T] int32: the request of each query token
+//   token_pos    [T] int32: the position of each query token (attends 0 .. pos)
+//   -> out       [T, H, D] fp32
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+// exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
+// (relative error ~2e-7); inputs below -87 give 0 (the softmax only feeds it x <= 0).
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(is_tiny, result);
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float dot(const float* a, const float* b, int D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  }
+  return hsum(acc);
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
+                              const torch::Tensor& block_table, const torch::Tensor& token_req,
+                              const torch::Tensor& token_pos, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "q: contiguous fp32 [T, H, D]");
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat &&
+                  kv.size(1) == 2,
+              "kv: contiguous fp32 [slots, 2, KVH, D]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
+                  block_table.dim() == 2,
+              "block_table: int32 [R, W]");
+  TORCH_CHECK(token_req.scalar_type() == at::kInt && token_pos.scalar_type() == at::kInt,
+              "token_req and token_pos: int32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(2);
+  TORCH_CHECK(kv.size(3) == D && D % 8 == 0 && D <= kMaxHeadDim, "head_dim: a multiple of 8, <= 256");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per KV head: at most 16");
+  TORCH_CHECK(token_req.numel() == T && token_pos.numel() == T, "one request and position per token");
+  const int64_t group = H / KVH, width = block_table.size(1);
+  const int64_t num_slots = kv.size(0);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kvp = kv.data_ptr<float>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* req = token_req.data_ptr<int32_t>();
+  const int32_t* pos = token_pos.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // Validate every index once, before any thread reads through them (no throwing inside
+  // the parallel region).
+  TORCH_CHECK(block_size >= 1 && num_slots % block_size == 0, "num_slots: whole blocks");
+  const int64_t num_blocks = num_slots / block_size;
+  for (int64_t i = 0; i < block_table.numel(); ++i) {
+    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block id out of range");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(req[t] >= 0 && req[t] < block_table.size(0), "token_req out of range");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] / block_size < width, "token_pos beyond the block table");
+  }
+  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block_size + 8);
+    alignas(32) float acc[kMaxGroup][kMaxHeadDim];
+    float run_max[kMaxGroup], run_sum[kMaxGroup];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / KVH, h_kv = task % KVH;
+      const int32_t* blocks = table + static_cast<int64_t>(req[t]) * width;
+      const int64_t last = pos[t];
+      for (int64_t g = 0; g < group; ++g) {
+        run_max[g] = -std::numeric_limits<float>::infinity();
+        run_sum[g] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.0f;
+      }
+      for (int64_t b = 0; b * block_size <= last; ++b) {
+        const int64_t n = std::min(block_size, last - b * block_size + 1);
+        const int64_t base_slot = static_cast<int64_t>(blocks[b]) * block_size;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qv = qp + (t * H + h_kv * group + g) * D;
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j < n; ++j) {
+            const float* k = kvp + ((base_slot + j) * 2 * KVH + h_kv) * D;
+            scores[j] = dot(qv, k, D) * fscale;
+            block_max = std::max(block_max, scores[j]);
+          }
+          const float new_max = std::max(run_max[g], block_max);
+          const float rescale = std::exp(run_max[g] - new_max);  // 0 for the first block
+          run_max[g] = new_max;
+          const __m256 m = _mm256_set1_ps(new_max);
+          __m256 sum = _mm256_setzero_ps();
+          for (int64_t j = 0; j < n; j += 8) {
+            const int64_t left = n - j;
+            __m256 s = _mm256_loadu_ps(scores.data() + j);
+            __m256 p = exp8(_mm256_sub_ps(s, m));
+            if (left < 8) {  // zero the lanes past the block's last key
+              const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+              const __m256 keep =
+                  _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane));
+              p = _mm256_and_ps(p, keep);
+            }
+            _mm256_storeu_ps(scores.data() + j, p);
+            sum = _mm256_add_ps(sum, p);
+          }
+          run_sum[g] = run_sum[g] * rescale + hsum(sum);
+          const __m256 r = _mm256_set1_ps(rescale);
+          float* a = acc[g];
+          for (int64_t d = 0; d < D; d += 8) {
+            _mm256_store_ps(a + d, _mm256_mul_ps(_mm256_load_ps(a + d), r));
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            const float* v = kvp + ((base_slot + j) * 2 * KVH + KVH + h_kv) * D;
+            const __m256 w = _mm256_set1_ps(scores[j]);
+            for (int64_t d = 0; d < D; d += 8) {
+              _mm256_store_ps(a + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_load_ps(a + d)));
+            }
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (t * H + h_kv * group + g) * D;
+        const __m256 inv = _mm256_set1_ps(1.0f / run_sum[g]);
+        for (int64_t d = 0; d < D; d += 8) {
+          _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_load_ps(acc[g] + d), inv));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(modelship, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor token_req, "
+      "Tensor token_pos, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(modelship, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,116 @@
+"""Greedy decoding is repeatable on the demo model in the default serving configuration.
+
+The same temperature-0 request must give the same tokens alone, inside a batch of 8, after
+its prompt's blocks are in the prefix cache, and streamed or not through the server. That
+holds because every kernel on the CPU serving path computes a row the same way whatever
+else is in the step (W4A8 linears, the int8 head, the paged-attention kernel, one RMSNorm
+path); see docs/performance.md. The demo model is quantized here with llm-compressor's
+round-to-nearest W4A16 at group size 64 (seconds), the layout the optimize stage writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from modelship.engine import LLM, SamplingParams
+from modelship.model import cpu_kernels
+
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
+
+PROMPT = (
+    "<|im_start|>user\nExplain in a few sentences why the sky is blue, and what changes "
+    "at sunset.<|im_end|>\n<|im_start|>assistant\n"
+)
+OTHERS = [
+    "The history of the city of Rome begins",
+    "def fibonacci(n):",
+    "A recipe for bread needs flour, water,",
+    "In physics, energy is",
+    "The three largest oceans are",
+    "Dear team, this week we",
+    "Once upon a time, in a small village,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+
+
+def tokens_and_logprobs(output) -> list[tuple[int, float]]:
+    """Bitwise: a logprob that moved in its last bit fails, not only a flipped token."""
+    completion = output.outputs[0]
+    return [
+        (t, lp.logprob) for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def demo_int4_dir(demo_model_dir: Path, tmp_path_factory) -> Path:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}
+    modifier = QuantizationModifier(
+        targets="Linear",
+        ignore=["lm_head"],
+        config_groups={"g": {"targets": ["Linear"], "weights": weights | {"symmetric": True}}},
+    )
+    oneshot(model=model, recipe=[modifier])
+    out = tmp_path_factory.mktemp("demo-int4")
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(demo_model_dir).save_pretrained(out)
+    for name in ("generation_config.json",):
+        if (demo_model_dir / name).exists():
+            (out / name).write_bytes((demo_model_dir / name).read_bytes())
+    return out
+
+
+def test_greedy_is_the_same_alone_in_a_batch_and_cached(demo_int4_dir: Path) -> None:
+    llm = LLM(demo_int4_dir, max_num_batched_tokens=2048)  # default kernels: auto
+    alone = llm.generate(PROMPT, GREEDY)[0]
+    assert alone.num_cached_tokens == 0
+    # the same prompt again: its full blocks now come from the prefix cache
+    cached = llm.generate(PROMPT, GREEDY)[0]
+    assert cached.num_cached_tokens > 0
+    # inside a batch of 8 (prefills and decodes of other requests share its steps)
+    batch = llm.generate([*OTHERS[:3], PROMPT, *OTHERS[3:]], GREEDY)
+    in_batch = batch[3]
+    expected = tokens_and_logprobs(alone)
+    assert len(expected) == 48
+    assert tokens_and_logprobs(cached) == expected
+    assert tokens_and_logprobs(in_batch) == expected
+
+
+def test_greedy_with_chunked_prefill_equals_one_chunk(demo_int4_dir: Path) -> None:
+    whole = LLM(demo_int4_dir).generate(PROMPT, GREEDY)[0]
+    chunked = LLM(demo_int4_dir, max_num_batched_tokens=7).generate(PROMPT, GREEDY)[0]
+    assert tokens_and_logprobs(chunked) == tokens_and_logprobs(whole)
+
+
+@pytest.fixture(scope="module")
+def client(demo_int4_dir: Path) -> Iterator[openai.OpenAI]:
+    process = ServerProcess(demo_int4_dir, "--served-model-name", "demo")
+    try:
+        yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
+    finally:
+        process.stop()
+
+
+def test_streamed_equals_non_streamed_and_repeats(client: openai.OpenAI) -> None:
+    body = dict(
+        model="demo",
+        messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        temperature=0,
+        max_tokens=40,
+    )
+    first = client.chat.completions.create(**body).choices[0].message.content
+    again = client.chat.completions.create(**body).choices[0].message.content  # prefix cached
+    stream = client.chat.completions.create(**body, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert first and again == first and streamed == first

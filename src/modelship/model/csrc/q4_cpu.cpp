@@ -104,70 +104,95 @@ QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
   return a;
 }
 
-// Output column n for activation rows m0 .. m0 + R - 1; R is a template argument so that
-// the accumulators live in registers.
-template <int R, typename OutT>
-inline void q4_tile(const QuantizedActivations& a, const uint8_t* wrow, const c10::Half* srow,
-                    const c10::Half* mrow, int64_t m0, int64_t n, int64_t N, int64_t K,
+// Output columns n .. n + NT - 1 for activation rows m0 .. m0 + R - 1; R and NT are template
+// arguments so that the accumulators live in registers. Batches of 4+ rows share each
+// unpacked weight chunk across rows (R = 4, NT = 1); a few rows (decode of one or two
+// streams) share each activation load across NT = 4 weight rows instead.
+template <int R, int NT, typename OutT>
+inline void q4_tile(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
+                    const c10::Half* mins, int64_t m0, int64_t n, int64_t N, int64_t K,
                     int64_t G, OutT* out) {
   const int64_t num_groups = K / G;
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float min_term[R];
+  __m256 acc[R][NT];
+  float min_term[R][NT];
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    min_term[r] = 0.0f;
+    for (int c = 0; c < NT; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      min_term[r][c] = 0.0f;
+    }
   }
   const int8_t* q_tile = a.q.data() + m0 * K;
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m256i isum[R];  // int16 lanes; |.| <= G / 64 * 2 * 2 * 15 * 127 < 2^15 for G <= 256
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i isum[R][NT];  // int16 lanes; |.| <= G / 64 * 2 * 2 * 15 * 127 < 2^15 for G <= 256
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < NT; ++c) isum[r][c] = _mm256_setzero_si256();
+    }
     for (int64_t col = g * G; col < (g + 1) * G; col += kChunk) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + col / 2));
-      const __m256i lo = _mm256_and_si256(bytes, low_mask);  // columns col .. col + 31
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);  // + 32
+      __m256i lo[NT], hi[NT];
+      for (int c = 0; c < NT; ++c) {
+        const uint8_t* w = qweight + (n + c) * (K / 2) + col / 2;
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        lo[c] = _mm256_and_si256(bytes, low_mask);  // columns col .. col + 31
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);  // col + 32 .. + 63
+      }
       for (int r = 0; r < R; ++r) {
         const int8_t* q = q_tile + r * K + col;
         const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
         const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
-        isum[r] = _mm256_add_epi16(isum[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0),
-                                                             _mm256_maddubs_epi16(hi, q1)));
+        for (int c = 0; c < NT; ++c) {
+          isum[r][c] = _mm256_add_epi16(
+              isum[r][c], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], q0),
+                                           _mm256_maddubs_epi16(hi[c], q1)));
+        }
       }
     }
-    const float s = _cvtsh_ss(srow[g].x);  // F16C, not c10::Half's bit-twiddling
-    const float mn = _cvtsh_ss(mrow[g].x);
-    for (int r = 0; r < R; ++r) {
-      const int64_t ag = (m0 + r) * num_groups + g;
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[ag]), acc[r]);
-      min_term[r] += mn * a.qsum[ag];
+    for (int c = 0; c < NT; ++c) {
+      const int64_t sg = (n + c) * num_groups + g;
+      const float s = _cvtsh_ss(scales[sg].x);  // F16C, not c10::Half's bit-twiddling
+      const float mn = _cvtsh_ss(mins[sg].x);
+      for (int r = 0; r < R; ++r) {
+        const int64_t ag = (m0 + r) * num_groups + g;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r][c], ones));
+        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[ag]), acc[r][c]);
+        min_term[r][c] += mn * a.qsum[ag];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
-    out[(m0 + r) * N + n] = static_cast<OutT>(hsum(acc[r]) + min_term[r]);
+    for (int c = 0; c < NT; ++c) {
+      out[(m0 + r) * N + n + c] = static_cast<OutT>(hsum(acc[r][c]) + min_term[r][c]);
+    }
   }
+}
+
+// Rows m0 .. m0 + R - 1 against output columns [n_begin, n_end).
+template <int R, typename OutT>
+inline void q4_few_rows(const QuantizedActivations& a, const uint8_t* qweight,
+                        const c10::Half* scales, const c10::Half* mins, int64_t m0,
+                        int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t G,
+                        OutT* out) {
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) q4_tile<R, 4>(a, qweight, scales, mins, m0, n, N, K, G, out);
+  for (; n < n_end; ++n) q4_tile<R, 1>(a, qweight, scales, mins, m0, n, N, K, G, out);
 }
 
 template <typename OutT>
 void q4_rows(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
              const c10::Half* mins, int64_t M, int64_t N, int64_t K, int64_t G, OutT* out) {
-  const int64_t num_groups = K / G;
-  at::parallel_for(0, N, 8, [&](int64_t n_begin, int64_t n_end) {
+  at::parallel_for(0, N, 16, [&](int64_t n_begin, int64_t n_end) {
+    const int64_t m0 = M / kRowTile * kRowTile;  // rows past m0 go in a few-rows tile
     for (int64_t n = n_begin; n < n_end; ++n) {
-      const uint8_t* w = qweight + n * (K / 2);
-      const c10::Half* s = scales + n * num_groups;
-      const c10::Half* mn = mins + n * num_groups;
-      int64_t m0 = 0;
-      for (; m0 + kRowTile <= M; m0 += kRowTile) {
-        q4_tile<kRowTile>(a, w, s, mn, m0, n, N, K, G, out);
+      for (int64_t m = 0; m < m0; m += kRowTile) {
+        q4_tile<kRowTile, 1>(a, qweight, scales, mins, m, n, N, K, G, out);
       }
-      switch (M - m0) {
-        case 3: q4_tile<3>(a, w, s, mn, m0, n, N, K, G, out); break;
-        case 2: q4_tile<2>(a, w, s, mn, m0, n, N, K, G, out); break;
-        case 1: q4_tile<1>(a, w, s, mn, m0, n, N, K, G, out); break;
-        default: break;
-      }
+    }
+    switch (M - m0) {
+      case 3: q4_few_rows<3>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
+      case 2: q4_few_rows<2>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
+      case 1: q4_few_rows<1>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
+      default: break;
     }
   });
 }

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modelship.model import AttentionMetadata, allocate_kv_cache, load_model
-from modelship.model import cpu_kernels
+from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
 from modelship.model.quant import UnsupportedQuantizationError, create_quantization
 from modelship.model.quant.base import DenseLinear
 from modelship.model.quant.compressed_tensors import _unpack_zero_point
@@ -326,3 +325,16 @@ def test_int8_head_option_errors(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="supported: auto, int8, dense"):
         load_model(tiny_llama_dir, lm_head="int4")
     assert load_model(tiny_llama_dir).int8_head is None  # auto: dense checkpoints keep theirs
+
+
+def test_a_stale_kernel_build_lock_is_removed(tmp_path: Path) -> None:
+    import os
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._remove_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running: keep a fresh lock
+    old = lock.stat().st_mtime - 16 * 60
+    os.utime(lock, (old, old))
+    cpu_kernels._remove_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+_NAME = "modelship_q4_cpu"
+# A build takes ~1-2 minutes here; a lock this old was left by a builder that was killed,
+# and torch would wait on it forever (every replica start would hang).
+_STALE_LOCK_S = 15 * 60
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("q4_cpu.cpp", "attention_cpu.cpp")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 CHUNK = 64  # columns per 32 packed bytes
@@ -38,8 +43,9 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
+        _remove_stale_lock(Path(cpp_extension._get_build_directory(_NAME, False)))
         cpp_extension.load(
-            name="modelship_q4_cpu",
+            name=_NAME,
             sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -50,6 +56,17 @@ def load() -> bool:
         logger.warning("modelship CPU kernels unavailable (%s); using torch's int4 kernel", exc)
         return False
     return True
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:

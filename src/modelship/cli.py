@@ -131,6 +131,11 @@ def serve(
         int, typer.Option(help="Queue bound before 429 (requests).")
     ] = 1024,
     prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = True,
+    max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
+    max_stop: Annotated[
+        int, typer.Option(help="Most stop strings (and stop token ids) per request.")
+    ] = 16,
+    max_stop_chars: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
     grace_period: Annotated[
         float, typer.Option(help="Seconds to finish requests on SIGTERM.")
     ] = 30.0,
@@ -146,9 +151,11 @@ def serve(
     from modelship.engine import EngineConfig
     from modelship.pipeline.acquire import validate_model_folder
     from modelship.server.launcher import serve as run_server
+    from modelship.server.limits import RequestLimitsConfig
 
     try:
         validate_model_folder(model_dir)
+        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)
         config = EngineConfig(
             device=device,
             dtype=dtype,
@@ -179,6 +186,7 @@ def serve(
         grace_period_s=grace_period,
         engine_config=config,
         sock=socket.socket(fileno=fd) if fd is not None else None,
+        limits=limits,
     )
 
 

@@ -163,6 +163,33 @@ def test_prompt_logprobs_equal_transformers_across_chunks(tiny_llama_dir: Path) 
         assert list(entry.top) == top_ids
 
 
+def test_siblings_count_against_admission_and_are_released(tiny_llama_dir: Path) -> None:
+    """n = 16 cannot slip past a waiting limit of 4 (the siblings used to be invisible to
+    admission); a request whose n could never fit is a parameter error, not an overload."""
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=128, max_waiting_requests=4
+    )
+    engine = llm.engine
+    with pytest.raises(InvalidParamsError) as info:
+        engine.add_request("n16", PROMPTS[0], SamplingParams(n=16, max_tokens=2))
+    assert info.value.param == "n"
+    engine.add_request("n3", PROMPTS[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+    assert engine.stats().num_waiting == 3
+    engine.add_request("n1", PROMPTS[1], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(EngineOverloadedError):
+        engine.add_request("n2", PROMPTS[2], SamplingParams(n=2, max_tokens=2))
+    engine.abort("n3")
+    assert engine.stats().num_waiting == 1
+    engine.add_request("n2", PROMPTS[2], SamplingParams(n=2, max_tokens=2, ignore_eos=True))
+    finished: dict[str, int] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.request_id] = finished.get(delta.request_id, 0) + 1
+    assert finished == {"n1": 1, "n2": 2}
+    assert engine.stats().num_waiting == 0 and engine.stats().num_running == 0
+
+
 def test_add_request_is_all_or_nothing(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

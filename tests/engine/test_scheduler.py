@@ -98,6 +98,32 @@ def test_admission_overload_is_typed() -> None:
         by_tokens.add_request(request("b", 8))
 
 
+def test_held_back_siblings_count_against_the_waiting_limits() -> None:
+    """A request with n completions brings n sequences: admission counts them all, from
+    admission until the siblings are queued (or dropped by an abort)."""
+    scheduler = make(max_waiting_requests=4)
+    first = request("a:0", 4)
+    siblings = [request(f"a:{i}", 4) for i in (1, 2)]
+    with pytest.raises(EngineOverloadedError):
+        scheduler.add_request(request("big:0", 4), num_held_back=4)  # 5 sequences > 4
+    scheduler.add_request(first, num_held_back=len(siblings))
+    assert scheduler.num_waiting == 3
+    scheduler.add_request(request("b", 4))
+    with pytest.raises(EngineOverloadedError):
+        scheduler.add_request(request("c", 4))  # 4 waiting, two of them held back
+    scheduler.release_held_back(siblings)
+    assert scheduler.num_waiting == 4 and len(scheduler.waiting) == 4
+    with pytest.raises(EngineOverloadedError):
+        scheduler.add_request(request("c", 4))
+
+    by_tokens = make(max_waiting_tokens=20)
+    by_tokens.add_request(request("x:0", 8), num_held_back=1)  # 16 tokens
+    with pytest.raises(EngineOverloadedError):
+        by_tokens.add_request(request("y", 8))
+    by_tokens.drop_held_back([request("x:1", 8)])  # the sibling was aborted
+    by_tokens.add_request(request("y", 8))
+
+
 def test_requests_that_can_never_fit_are_rejected() -> None:
     scheduler = make(max_model_len=32, num_blocks=4, block_size=4)
     with pytest.raises(RequestTooLongError, match="maximum context length of 32"):

@@ -35,6 +35,12 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
         "4",
         "--kv-cache-memory-mb",
         "16",
+        "--max-n",
+        "8",
+        "--max-stop",
+        "4",
+        "--max-stop-chars",
+        "32",
     )
     yield process
     process.stop()
@@ -248,6 +254,41 @@ def test_out_of_range_params_are_400_naming_the_param(
     after = client.completions.create(model=MODEL, prompt="still fine", max_tokens=2)
     assert after.choices[0].finish_reason in ("stop", "length")
     assert metric(server, "modelship:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"n": 9}, "n", "at most 8"),  # --max-n 8
+        ({"n": 5}, "n", "at most 4"),  # the waiting limit (4) could never admit 5 sequences
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),  # --max-stop 4
+        ({"stop": "x" * 33}, "stop", "at most 32 characters"),  # --max-stop-chars 32
+        ({"stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids", "at most 4"),
+    ],
+)
+def test_n_and_stop_beyond_the_caps_are_400(
+    server: ServerProcess, fields: dict, param: str, fragment: str
+) -> None:
+    for path, extra in [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        response = raw(server, path, {"model": MODEL, "max_tokens": 2, **extra, **fields})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and fragment in error["message"]
+
+
+def test_n_and_stop_at_the_caps_are_served(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL,
+        prompt="Paged attention",
+        max_tokens=2,
+        n=4,
+        stop=["a" * 32, "b", "c", "d"],
+        extra_body={"stop_token_ids": [1, 2, 3, 4]},
+    )
+    assert sorted(choice.index for choice in response.choices) == [0, 1, 2, 3]
 
 
 def test_missing_or_wrong_key_is_401(server: ServerProcess) -> None:

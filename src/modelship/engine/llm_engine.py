@@ -20,7 +20,7 @@ from modelship.engine.config import EngineConfig
 from modelship.engine.detokenizer import IncrementalDetokenizer
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
-from modelship.engine.sampling_params import SamplingParams
+from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
 from modelship.model.config import ModelConfig
@@ -118,11 +118,16 @@ class LLMEngine:
         `cache_salt` (a tenant's cache namespace) share prefix-cache blocks.
 
         All or nothing: raises `InvalidParamsError`, `EngineOverloadedError`,
-        `RequestTooLongError` (or `ValueError` for a bad prompt) at once, leaving no trace."""
+        `RequestTooLongError` (or `ValueError` for a bad prompt) at once, leaving no trace.
+        With `n > 1` the siblings count against the waiting limits from admission on."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         vocab_size = self.model.config.vocab_size
         params.verify(vocab_size)
+        if params.n > max(1, self.config.max_waiting_requests):  # never admissible: no 429
+            raise InvalidParamsError(
+                "n", f"n must be at most {self.config.max_waiting_requests} on this server"
+            )
         prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -142,7 +147,7 @@ class LLMEngine:
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
             held_back=seqs[1:],
         )
-        self.scheduler.add_request(seqs[0])  # admission control raises here
+        self.scheduler.add_request(seqs[0], num_held_back=len(request.held_back))
         try:
             self._requests[request_id] = request
             for index, seq in enumerate(seqs):
@@ -150,6 +155,7 @@ class LLMEngine:
                 self._generators[seq.request_id] = generators[index]
         except BaseException:  # nothing above should raise; if it does, undo the admission
             self.scheduler.abort(seqs[0].request_id)
+            self.scheduler.drop_held_back(request.held_back)
             self._forget(request)
             raise
         return prompt_token_ids
@@ -165,6 +171,7 @@ class LLMEngine:
                 continue
             if seq in request.held_back:
                 seq.finish("abort")
+                self.scheduler.drop_held_back([seq])
             else:
                 self.scheduler.abort(seq.request_id)
             deltas.append(self._delta(request, index, [], "", None, "abort", None))
@@ -248,8 +255,7 @@ class LLMEngine:
         for request in list(self._requests.values()):
             first = request.seqs[0]
             if request.held_back and (first.num_output_tokens > 0 or first.is_finished):
-                for seq in request.held_back:
-                    self.scheduler.add_request(seq, admitted=True)
+                self.scheduler.release_held_back(request.held_back)
                 request.held_back = []
 
     def _delta(self, request, index, token_ids, text, logprobs, finish_reason, stop_reason):

@@ -60,11 +60,16 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._waiting_tokens = 0
+        self._num_held_back = 0  # admitted siblings not queued yet (see add_request)
+        self._held_back_tokens = 0
 
     # Admission -------------------------------------------------------------------------------
-    def add_request(self, seq: Sequence, admitted: bool = False) -> None:
-        """Queue `seq`. Raises `RequestTooLongError` if it can never run, and (unless it
-        belongs to an already admitted request) `EngineOverloadedError` if the queue is full."""
+    def add_request(self, seq: Sequence, num_held_back: int = 0) -> None:
+        """Queue `seq`. Raises `RequestTooLongError` if it can never run, and
+        `EngineOverloadedError` if the queue is full. `num_held_back` more sequences of the
+        same request (its `n > 1` siblings, same tokens) wait outside the queue until
+        `release_held_back`; they count against the waiting limits from admission on, so a
+        request cannot bring in more than the limits by asking for many completions."""
         max_tokens = seq.params.max_tokens or 0
         if seq.num_prompt_tokens + max(max_tokens, 1) > self.max_model_len:
             raise RequestTooLongError(
@@ -77,18 +82,31 @@ class Scheduler:
                 f"request needs {total} tokens of KV cache; the whole cache holds "
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}"
             )
-        if not admitted:
-            if len(self.waiting) >= self.config.max_waiting_requests:
-                raise EngineOverloadedError(
-                    f"{len(self.waiting)} requests waiting (limit "
-                    f"{self.config.max_waiting_requests})"
-                )
-            if self._waiting_tokens + seq.num_tokens > self.config.max_waiting_tokens:
-                raise EngineOverloadedError(
-                    f"{self._waiting_tokens} prompt tokens waiting (limit "
-                    f"{self.config.max_waiting_tokens})"
-                )
+        num_seqs = 1 + num_held_back
+        if self.num_waiting + num_seqs > self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self.num_waiting} requests waiting, {num_seqs} more asked for (limit "
+                f"{self.config.max_waiting_requests})"
+            )
+        num_tokens = self._waiting_tokens + self._held_back_tokens
+        if num_tokens + num_seqs * seq.num_tokens > self.config.max_waiting_tokens:
+            raise EngineOverloadedError(
+                f"{num_tokens} prompt tokens waiting (limit {self.config.max_waiting_tokens})"
+            )
         self._enqueue(seq)
+        self._num_held_back += num_held_back
+        self._held_back_tokens += num_held_back * seq.num_tokens
+
+    def release_held_back(self, seqs: list[Sequence]) -> None:
+        """Queue siblings held back since their request was admitted (counted then)."""
+        self.drop_held_back(seqs)
+        for seq in seqs:
+            self._enqueue(seq)
+
+    def drop_held_back(self, seqs: list[Sequence]) -> None:
+        """Forget siblings held back since admission that will never be queued (abort)."""
+        self._num_held_back -= len(seqs)
+        self._held_back_tokens -= sum(seq.num_tokens for seq in seqs)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -209,7 +227,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued sequences plus the held-back siblings of admitted requests."""
+        return len(self.waiting) + self._num_held_back
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)

@@ -22,6 +22,7 @@ from modelship.server.errors import (
     BadRequestError,
     UnavailableError,
 )
+from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
 from modelship.server.serving import OpenAIServing
 
@@ -47,12 +48,13 @@ def create_app(
     variant: str = "base",
     api_key: str | None = None,
     max_model_len: int | None = None,
+    limits: RequestLimitsConfig | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup)."""
     state = ServerState()
     metrics = ServerMetrics(engine.stats, model_name, variant)
     serving = OpenAIServing(
-        engine, model_name, max_model_len or engine.engine.max_model_len, metrics
+        engine, model_name, max_model_len or engine.engine.max_model_len, metrics, limits
     )
 
     @asynccontextmanager

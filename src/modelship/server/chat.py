@@ -14,7 +14,7 @@ async def create_chat_completion(
     serving: OpenAIServing, request: p.ChatCompletionRequest, cache_salt: str | None = None
 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """Validate everything before the engine sees the request; errors raise `APIError`."""
-    serving.check_model(request.model)
+    serving.check_request(request)
     prompt = serving.chat_prompt(request)
     params = serving.sampling_params(request, len(prompt))
     request_id = p.random_id("chatcmpl")

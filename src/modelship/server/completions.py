@@ -15,7 +15,7 @@ from modelship.server.serving import SSE_DONE, OpenAIServing, sse
 async def create_completion(
     serving: OpenAIServing, request: p.CompletionRequest, cache_salt: str | None = None
 ) -> p.CompletionResponse | AsyncIterator[str]:
-    serving.check_model(request.model)
+    serving.check_request(request)
     prompts = serving.completion_prompts(request)
     params = [serving.sampling_params(request, len(prompt)) for prompt in prompts]
     request_id = p.random_id("cmpl")

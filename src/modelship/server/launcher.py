@@ -18,6 +18,7 @@ import uvicorn
 
 from modelship.engine import AsyncLLMEngine, EngineConfig
 from modelship.server.app import ServerState, create_app
+from modelship.server.limits import RequestLimitsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,13 @@ def serve(
     grace_period_s: float = 30.0,
     engine_config: EngineConfig | None = None,
     sock: socket.socket | None = None,
+    limits: RequestLimitsConfig | None = None,
 ) -> None:
     """Load the model, warm it up, serve until drained. With `sock` (a bound socket handed
     over by the parent process), listen on it instead of binding `host`/`port`."""
     engine = AsyncLLMEngine.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
-    app = create_app(engine, name, variant=variant, api_key=api_key)
+    app = create_app(engine, name, variant=variant, api_key=api_key, limits=limits)
     config = uvicorn.Config(
         app,
         host=host,

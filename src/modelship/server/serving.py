@@ -26,6 +26,7 @@ from modelship.server.errors import (
     OverloadedError,
     UnavailableError,
 )
+from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
 
 
@@ -47,19 +48,24 @@ class OpenAIServing:
         model_name: str,
         max_model_len: int,
         metrics: ServerMetrics,
+        limits: RequestLimitsConfig | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
+        self.limits = limits or RequestLimitsConfig()
         self.tokenizer = engine.tokenizer
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def check_request(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+        """The model name and the request caps, before any tokenizing."""
+        if request.model != self.model_name:
             raise ModelNotFoundError(
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                f"The model `{request.model}` does not exist; this server serves "
+                f"`{self.model_name}`.",
                 param="model",
             )
+        self.limits.check(request)
 
     # Requests -> engine ----------------------------------------------------------------------
     def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:

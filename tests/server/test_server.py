@@ -388,6 +388,37 @@ def test_clients_hanging_up_during_admission_leave_the_replica_serving(
         process.stop()
 
 
+def test_a_failed_prompt_of_a_batch_aborts_the_other_prompts(server: ServerProcess) -> None:
+    """Prompts of one /v1/completions request run concurrently; when one fails (here the
+    waiting limit of 4 cannot admit a second prompt of n=4 while the first waits), the
+    others are aborted instead of generating to the end for nobody."""
+    length_before = metric(server, "modelship:request_success_total", finished_reason="length")
+    abort_before = metric(server, "modelship:request_success_total", finished_reason="abort")
+    body = {
+        "model": MODEL,
+        "prompt": [f"batch prompt {i}" for i in range(6)],
+        "n": 4,
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+    response = raw(server, "/v1/completions", body)
+    assert response.status_code == 429, response.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        idle = metric(server, "modelship:num_requests_running") == 0
+        if idle and metric(server, "modelship:num_requests_waiting") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "modelship:num_requests_running") == 0
+    assert metric(server, "modelship:num_requests_waiting") == 0
+    # The admitted prompt(s) ended as aborts, none ran to max_tokens.
+    assert metric(server, "modelship:request_success_total", finished_reason="abort") >= (
+        abort_before + 4
+    )
+    length_after = metric(server, "modelship:request_success_total", finished_reason="length")
+    assert length_after == length_before
+
+
 def test_metrics_move_after_requests(server: ServerProcess, client: openai.OpenAI) -> None:
     before = metric(server, "modelship:generation_tokens_total")
     prompt_before = metric(server, "modelship:prompt_tokens_total")

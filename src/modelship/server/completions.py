@@ -26,12 +26,19 @@ async def create_completion(
         first = await anext(deltas)  # admission errors surface before any byte is sent
         return _stream(serving, request, request_id, prompts[0], first, deltas)
 
-    results = await asyncio.gather(
-        *(
-            serving.collect(f"{request_id}-{i}", prompt, prm, request.priority, cache_salt)
-            for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
-        )
-    )
+    # A task group, not gather: when one prompt fails, the others are cancelled (which
+    # aborts their engine requests) instead of generating to the end for nobody.
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    serving.collect(f"{request_id}-{i}", prompt, prm, request.priority, cache_salt)
+                )
+                for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
+            ]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None  # the first error is the answer, as before
+    results = [task.result() for task in tasks]
     choices = []
     completion_tokens = 0
     for prompt_index, (prompt, per_prompt) in enumerate(zip(prompts, results, strict=True)):

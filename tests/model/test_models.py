@@ -13,6 +13,7 @@ from modelship.model import (
     MissingWeightError,
     UnsupportedModelError,
     allocate_kv_cache,
+    cpu_kernels,
     load_model,
 )
 from modelship.model.quant.base import DenseLinear
@@ -72,7 +73,7 @@ def reference_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids.unsqueeze(0)).logits[0]
 
 
-def run(model, steps, block_tables, num_blocks=32, cache_dtype=torch.float32):
+def run(model, steps, block_tables, num_blocks=32, cache_dtype=torch.float32, backend="sdpa"):
     """Run requests step by step through one paged cache.
 
     steps[s] = [(request, token ids, start position)]; returns each step's logits."""
@@ -87,6 +88,7 @@ def run(model, steps, block_tables, num_blocks=32, cache_dtype=torch.float32):
             [block_tables[c[0]] for c in step],
             BLOCK,
             "cpu",
+            backend,
         )
         with torch.no_grad():
             outputs.append(model.compute_logits(model(ids, positions, caches, meta)))
@@ -115,15 +117,27 @@ CASES = [
 ]
 
 
+BACKENDS = [
+    "sdpa",
+    pytest.param(
+        "cpu",  # modelship's kernel: RoPE, cache write and attention in one call
+        marks=pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("kind", "overrides"), CASES)
-def test_logits_match_transformers(kind: str, overrides: dict, tmp_path: Path) -> None:
+def test_logits_match_transformers(
+    kind: str, overrides: dict, backend: str, tmp_path: Path
+) -> None:
     folder = save_tiny(kind, tmp_path / kind, **overrides)
     model = load_model(folder, dtype=torch.float32)
     assert model.config.architecture.lower().startswith(kind)
     ids = random_ids(37)
     expected = reference_logits(folder, ids)
 
-    one_shot = run(model, [[(0, ids, 0)]], {0: [5, 2, 9, 0, 7, 1, 12, 3, 4, 6]})[0]
+    one_shot = run(model, [[(0, ids, 0)]], {0: [5, 2, 9, 0, 7, 1, 12, 3, 4, 6]}, backend=backend)[0]
     torch.testing.assert_close(one_shot, expected, atol=1e-4, rtol=1e-4)
 
     # Two chunks (the second reads the first through a scattered block table), then decode.
@@ -135,6 +149,7 @@ def test_logits_match_transformers(kind: str, overrides: dict, tmp_path: Path) -
             *[[(0, ids[i : i + 1], i)] for i in range(30, 37)],
         ],
         {0: [11, 3, 8, 0, 6, 2, 14, 9, 1, 20]},
+        backend=backend,
     )
     torch.testing.assert_close(torch.cat(chunked), expected, atol=1e-4, rtol=1e-4)
 

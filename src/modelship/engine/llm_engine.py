@@ -23,6 +23,8 @@ from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
+from modelship.engine.tokenizer import load_tokenizer
+from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from modelship.model.loader import load_model, read_generation_eos
@@ -48,8 +50,6 @@ class LLMEngine:
     """Owns the model, KV cache, scheduler and tokenizer of one model replica."""
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
@@ -63,8 +63,9 @@ class LLMEngine:
             dtype=self.config.dtype,
             max_positions=self.max_model_len,
             int4_kernel=self.config.int4_kernel,
+            lm_head=self.config.lm_head,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)
 
         cache_dtype = self.config.cache_dtype(self.model.dtype)
@@ -84,7 +85,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, device)
+        attention_backend = resolve_attention_backend(
+            self.config.attention_backend, device, cache_dtype
+        )
+        self.runner = ModelRunner(self.model, self.kv_caches, block_size, device, attention_backend)
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._generators: dict[str, torch.Generator | None] = {}

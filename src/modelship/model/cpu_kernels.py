@@ -26,7 +26,10 @@ _NAME = "modelship_q4_cpu"
 # and torch would wait on it forever (every replica start would hang).
 _STALE_LOCK_S = 15 * 60
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("q4_cpu.cpp", "attention_cpu.cpp")]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# -ffp-contract=off: GCC would otherwise fuse a scalar `a += b * c` into an FMA in some
+# template instances and not in others, and a row would round differently depending on
+# which tile shape computed it (batch invariance needs one rounding per row).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 CHUNK = 64  # columns per 32 packed bytes
 MAX_GROUP_SIZE = 256  # int16 partial sums of one group must not overflow
 
@@ -131,6 +134,31 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] fp32
     return torch.ops.modelship.paged_attention(
         q, kv, block_table, token_request, token_position, block_size, scale
+    )
+
+
+def rope_paged_attention(
+    qkv: torch.Tensor,  # [num_tokens, (heads + 2 * kv_heads) * head_dim], before RoPE
+    kv: torch.Tensor,  # [num_slots, 2, kv_heads, head_dim] fp32: this step's K/V land here
+    cos: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin: torch.Tensor,  # [max_positions, head_dim] fp32, rotate-half sign folded in
+    meta,  # AttentionMetadata built for the "cpu" backend
+    scale: float,
+    num_heads: int,
+) -> torch.Tensor:  # [num_tokens, heads * head_dim] in qkv's dtype
+    """RoPE on q and k, the cache write and paged attention in one call (one layer)."""
+    return torch.ops.modelship.rope_paged_attention(
+        qkv.contiguous(),
+        kv,
+        cos,
+        sin,
+        meta.slot_mapping,
+        meta.block_table,
+        meta.token_request,
+        meta.token_position,
+        meta.block_size,
+        scale,
+        num_heads,
     )
 
 

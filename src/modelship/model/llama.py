@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelship.model import cpu_kernels
 from modelship.model.attention import AttentionMetadata, paged_attention
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
@@ -63,8 +64,8 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None in the first layer
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]; the CPU kernel: [max_positions, head_dim]
+        sin: torch.Tensor,  # (same)
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream)
@@ -79,6 +80,13 @@ class DecoderLayer(nn.Module):
             k = qkv[:, q_size:qk_size].view(num_tokens, kv_heads, head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        if meta.block_table is not None:  # CPU kernel: RoPE, cache write and attention
+            # cos/sin are the whole tables here, indexed by position inside the kernel
+            attn = cpu_kernels.rope_paged_attention(
+                qkv, cache.kv, cos, sin, meta, self.scale, heads
+            )  # [num_tokens, q_size]
+            residual = self.o_proj(attn).add_(residual)
+            return self.mlp(self.post_attention_layernorm(residual)), residual
         # q and k heads rotated together, in place: qkv then holds q | rotated k | v, and
         # the k | v part is exactly one cache slot's layout per token.
         apply_rope_(qkv[:, :qk_size].view(num_tokens, heads + kv_heads, head_dim), cos, sin)
@@ -142,7 +150,10 @@ class LlamaForCausalLM(CausalLM):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
-        cos, sin = self.rotary.tables(positions, hidden.dtype)
+        if attn_metadata.block_table is not None:  # the CPU kernel indexes the fp32 tables
+            cos, sin = self.rotary.cos, self.rotary.sin
+        else:
+            cos, sin = self.rotary.tables(positions, hidden.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn_metadata)

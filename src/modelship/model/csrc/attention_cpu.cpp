@@ -173,10 +173,88 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
   return out;
 }
 
+// One decoder layer's attention after its q/k/v projection, in one call: rotate q and k
+// (RoPE in fp32, HF's rotate-half layout, tables with the sign folded into `sin`), write
+// this step's k and v into the cache at `slot_mapping`, then `paged_attention`.
+//   qkv  [T, (H + 2 * KVH) * D] bf16 or fp32: q heads | k heads | v heads per token
+//   cos, sin  [max_positions, D] fp32
+//   -> [T, H * D] in qkv's dtype
+torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor& kv,
+                                   const torch::Tensor& cos, const torch::Tensor& sin,
+                                   const torch::Tensor& slot_mapping,
+                                   const torch::Tensor& block_table,
+                                   const torch::Tensor& token_req, const torch::Tensor& token_pos,
+                                   int64_t block_size, double scale, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [T, (H + 2 KVH) D]");
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat,
+              "qkv: bf16 or fp32");
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat,
+              "kv: contiguous fp32 [slots, 2, KVH, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
+              "cos and sin: contiguous fp32 [max_positions, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && token_pos.scalar_type() == at::kInt,
+              "slot_mapping int64, token_pos int32");
+  const int64_t T = qkv.size(0), KVH = kv.size(2), D = kv.size(3), H = num_heads;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
+  TORCH_CHECK(cos.size(1) == D && D % 2 == 0, "cos/sin width must be head_dim");
+  TORCH_CHECK(slot_mapping.numel() == T && token_pos.numel() == T, "one slot and position per token");
+  const int64_t num_slots = kv.size(0), max_pos = cos.size(0), half = D / 2;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* pos = token_pos.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping out of range");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position beyond the RoPE tables");
+  }
+  auto q = torch::empty({T, H, D}, qkv.options().dtype(at::kFloat));
+  const bool is_bf16 = qkv.scalar_type() == at::kBFloat16;
+  const int64_t width = qkv.size(1);
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  float* q_p = q.data_ptr<float>();
+  float* kv_p = kv.data_ptr<float>();
+  auto read = [&](int64_t t, int64_t i) -> float {
+    if (is_bf16) {
+      return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr())[t * width + i]);
+    }
+    return qkv.data_ptr<float>()[t * width + i];
+  };
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_p + pos[t] * D;
+      const float* sn = sin_p + pos[t] * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: rotated
+        const int64_t base = h * D;
+        float* dst = h < H ? q_p + (t * H + h) * D
+                           : kv_p + ((slots[t] * 2 + 0) * KVH + (h - H)) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = read(t, base + d);
+          const float rolled = read(t, base + (d + half) % D);
+          dst[d] = x * c[d] + rolled * sn[d];
+        }
+      }
+      for (int64_t h = 0; h < KVH; ++h) {  // v heads: copied
+        float* dst = kv_p + ((slots[t] * 2 + 1) * KVH + h) * D;
+        const int64_t base = (H + KVH + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = read(t, base + d);
+      }
+    }
+  });
+  auto out = paged_attention(q, kv, block_table, token_req, token_pos, block_size, scale);
+  return out.view({T, H * D}).to(qkv.scalar_type());
+}
+
 TORCH_LIBRARY_FRAGMENT(modelship, m) {
+  m.def(
+      "rope_paged_attention(Tensor qkv, Tensor(a!) kv, Tensor cos, Tensor sin, "
+      "Tensor slot_mapping, Tensor block_table, Tensor token_req, Tensor token_pos, "
+      "int block_size, float scale, int num_heads) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor token_req, "
       "Tensor token_pos, int block_size, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(modelship, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(modelship, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rope_paged_attention", &rope_paged_attention);
+}

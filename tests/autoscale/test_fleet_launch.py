@@ -50,3 +50,31 @@ def test_the_replica_key_is_in_the_environment_not_on_the_command_line(
         assert httpx.get(models, headers=right, timeout=10).status_code == 200
     finally:
         assert replica.stop() == 0, replica.log_tail()
+
+
+def test_replicas_take_the_gateways_request_caps(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    storage = Storage(tmp_path / "storage")
+    release = publish_release(storage, SLUG, tiny_llama_dir, "fp16")
+    storage.set_production(SLUG, release)
+    config = ModelshipConfig.from_dict(
+        {
+            "serve": {"engine": {"max_model_len": 256, "kv_cache_memory_mb": 16}},
+            "gateway": {"request_limits": {"max_n": 20, "max_stop": 2}},
+        }
+    )
+    fleet = LocalFleet(config, storage, SLUG)
+    replica = fleet._launch(fleet.release_spec(release), "replica-1")
+    try:
+        replica.wait_ready(120)
+        url = f"{replica.url}/v1/completions"
+        body = {"model": fleet.served_model_name, "prompt": "hello", "max_tokens": 2}
+        # above the replica's own default (16), within the gateway's cap: served
+        response = httpx.post(url, json=body | {"n": 18}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 18
+        # below the default (16 stop strings), beyond the gateway's cap: refused the same way
+        response = httpx.post(url, json=body | {"stop": ["a", "b", "c"]}, timeout=60)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "stop"
+    finally:
+        assert replica.stop() == 0, replica.log_tail()

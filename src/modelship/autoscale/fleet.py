@@ -65,11 +65,15 @@ class LocalFleet:
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
         serve = self.config.serve
+        limits = self.config.gateway.request_limits  # replicas check the gateway's caps
         args = [
             *serve.engine.cli_args(),
             "--served-model-name", self.served_model_name,
             "--variant", spec.variant,
             "--grace-period", str(serve.grace_period_s),
+            "--max-n", str(limits.max_n),
+            "--max-stop", str(limits.max_stop),
+            "--max-stop-chars", str(limits.max_stop_chars),
         ]  # fmt: skip
         return ReplicaProcess(
             spec.model_dir,

@@ -230,3 +230,14 @@ def test_add_request_is_all_or_nothing(
 
     out = llm.generate(PROMPTS[0], SamplingParams(n=2, seed=3, max_tokens=4, ignore_eos=True))
     assert [len(c.token_ids) for c in out[0].outputs] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("int4_kernel", "fast"), ("lm_head", "int4"), ("attention_backend", "flash")],
+)
+def test_kernel_switches_refuse_unknown_values(field: str, value: str) -> None:
+    from modelship.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=rf"{field} must be one of .*got '{value}'"):
+        EngineConfig(**{field: value})

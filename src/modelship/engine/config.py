@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from modelship.model.attention import ATTENTION_BACKENDS
+from modelship.model.quant.int4 import INT4_KERNELS
+from modelship.model.quant.int8 import LM_HEADS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -55,14 +59,14 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
-        if self.int4_kernel not in ("auto", "w4a8", "torch"):
-            raise ValueError(f"int4_kernel must be auto, w4a8 or torch, got {self.int4_kernel!r}")
-        if self.lm_head not in ("auto", "int8", "dense"):
-            raise ValueError(f"lm_head must be auto, int8 or dense, got {self.lm_head!r}")
-        if self.attention_backend not in ("auto", "cpu", "sdpa"):
-            raise ValueError(
-                f"attention_backend must be auto, cpu or sdpa, got {self.attention_backend!r}"
-            )
+        for name, choices in (
+            ("int4_kernel", INT4_KERNELS),
+            ("lm_head", LM_HEADS),
+            ("attention_backend", ATTENTION_BACKENDS),
+        ):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         for name in ("dtype", "kv_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:

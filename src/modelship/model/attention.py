@@ -1,7 +1,9 @@
 """Paged attention over the flat KV cache: modelship's CPU kernel, or SDPA.
 
 On an AVX2 CPU with an fp32 cache (the default there) every token of the step, decode and
-prefill alike, goes through one call of `cpu_kernels.paged_attention` per layer: it reads
+prefill alike, goes through one kernel call per layer: the model calls
+`cpu_kernels.rope_paged_attention` (RoPE, the K/V write, then attention);
+`paged_attention` below takes the same metadata for already-rotated q/k. The kernel reads
 K/V through the block tables in place and visits each query's keys block by block in
 position order, so a query's result does not depend on the rest of the batch or on how
 its prompt was chunked or cached (deterministic greedy decoding). Elsewhere, SDPA:

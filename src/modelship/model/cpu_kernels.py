@@ -2,7 +2,8 @@
 
 - `q4_linear` (W4A8) and `q8_linear` (W8A8): `csrc/q4_cpu.cpp`, used by `quant.int4` and
   `quant.int8`;
-- `paged_attention`: `csrc/attention_cpu.cpp`, used by `attention.py`.
+- `rope_paged_attention` (used by `llama.py`) and `paged_attention` (used by
+  `attention.py`): `csrc/attention_cpu.cpp`.
 
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
 kernels. The build is a torch C++ extension compiled with ninja

@@ -34,11 +34,7 @@ class RMSNorm(nn.Module):
             # row is normalized the same way alone or in a batch (deterministic greedy).
             doubled = torch.cat([x, -x], dim=-1)
             normed = F.layer_norm(doubled, doubled.shape[-1:], self.doubled_weight, None, self.eps)
-            return (
-                normed[..., : self.size].contiguous()
-                if x.shape[0] > 1
-                else normed[..., : self.size]
-            )
+            return normed[..., : self.size].contiguous()  # a no-op for a single row
         return F.rms_norm(x, (self.size,), self.weight, self.eps)
 
 

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
 from modelship.model.quant import create_quantization
+from modelship.model.quant.int8 import LM_HEADS
 from modelship.model.registry import CausalLM, create_model
 
 logger = logging.getLogger(__name__)
@@ -148,8 +149,8 @@ def load_model(
 def _wants_int8_head(
     lm_head: str, config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> bool:
-    if lm_head not in ("auto", "int8", "dense"):
-        raise ValueError(f"lm_head {lm_head!r}; supported: auto, int8, dense")
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head {lm_head!r}; supported: {', '.join(LM_HEADS)}")
     if lm_head == "dense":
         return False
     available = device.type == "cpu" and cpu_kernels.load()

@@ -213,11 +213,11 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
   const float* sin_p = sin.data_ptr<float>();
   float* q_p = q.data_ptr<float>();
   float* kv_p = kv.data_ptr<float>();
-  auto read = [&](int64_t t, int64_t i) -> float {
-    if (is_bf16) {
-      return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr())[t * width + i]);
-    }
-    return qkv.data_ptr<float>()[t * width + i];
+  const auto* qkv_bf16 = is_bf16 ? reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr()) : nullptr;
+  const float* qkv_f32 = is_bf16 ? nullptr : qkv.data_ptr<float>();
+  auto read = [&](int64_t t, int64_t i) -> float {  // qkv[t, i] as fp32
+    const int64_t at = t * width + i;
+    return qkv_bf16 ? static_cast<float>(qkv_bf16[at]) : qkv_f32[at];
   };
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

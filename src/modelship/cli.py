@@ -146,6 +146,13 @@ def serve(
             "(a parent process that chose the port hands it over without a race)."
         ),
     ] = None,
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            "--engine-process/--engine-thread",
+            help="Run the engine core in its own process (default) or on a thread of the server's.",
+        ),
+    ] = True,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
     from modelship.engine import EngineConfig
@@ -176,7 +183,7 @@ def serve(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_server(
+    code = run_server(
         model_dir,
         host=host,
         port=port,
@@ -187,7 +194,10 @@ def serve(
         engine_config=config,
         sock=socket.socket(fileno=fd) if fd is not None else None,
         limits=limits,
+        engine_process=engine_process,
     )
+    if code:
+        raise typer.Exit(code)
 
 
 ConfigStorageOption = Annotated[

@@ -2,6 +2,7 @@
 
 from modelship.engine.async_engine import AsyncLLMEngine
 from modelship.engine.config import EngineConfig
+from modelship.engine.core import EngineCoreClient
 from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
 from modelship.engine.llm import LLM
 from modelship.engine.llm_engine import LLMEngine
@@ -13,6 +14,7 @@ __all__ = [
     "AsyncLLMEngine",
     "CompletionOutput",
     "EngineConfig",
+    "EngineCoreClient",
     "EngineDeadError",
     "EngineOverloadedError",
     "InvalidParamsError",

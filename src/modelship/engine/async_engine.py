@@ -75,6 +75,10 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (running, waiting, KV usage, ...)."""
         return self._stats

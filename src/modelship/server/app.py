@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from modelship.engine import AsyncLLMEngine, SamplingParams
+from modelship.engine import AsyncLLMEngine, EngineCoreClient, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.chat import create_chat_completion
 from modelship.server.completions import create_completion
@@ -24,7 +25,7 @@ from modelship.server.errors import (
 )
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
-from modelship.server.serving import OpenAIServing
+from modelship.server.serving import OpenAIServing, sse
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class ServerState:
 
 
 def create_app(
-    engine: AsyncLLMEngine,
+    engine: AsyncLLMEngine | EngineCoreClient,
     model_name: str,
     *,
     variant: str = "base",
@@ -54,7 +55,7 @@ def create_app(
     state = ServerState()
     metrics = ServerMetrics(engine.stats, model_name, variant)
     serving = OpenAIServing(
-        engine, model_name, max_model_len or engine.engine.max_model_len, metrics, limits
+        engine, model_name, max_model_len or engine.max_model_len, metrics, limits
     )
 
     @asynccontextmanager
@@ -176,7 +177,22 @@ async def _respond(request: Request, work) -> Response:
     result = task.result()
     if isinstance(result, p.BaseModel):
         return JSONResponse(result.model_dump())
-    return StreamingResponse(result, media_type="text/event-stream")
+    return StreamingResponse(_with_error_event(result), media_type="text/event-stream")
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream that fails after its headers were sent ends with an OpenAI error event (the
+    `openai` SDK raises it as `APIError`) and no `[DONE]`, instead of a cut connection."""
+    try:
+        async with aclosing(chunks):  # a client that hangs up closes both: the request aborts
+            async for chunk in chunks:
+                yield chunk
+    except APIError as exc:
+        logger.warning("stream failed: %s", exc.message)
+        yield sse(p.ErrorResponse.of(exc.message, exc.error_type, exc.param, exc.code))
+    except Exception:
+        logger.exception("stream failed")
+        yield sse(p.ErrorResponse.of("internal error while streaming", "server_error", None, None))
 
 
 def _error_response(exc: APIError) -> JSONResponse:

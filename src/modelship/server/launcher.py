@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from modelship.engine import AsyncLLMEngine, EngineConfig
+from modelship.engine import AsyncLLMEngine, EngineConfig, EngineCoreClient
 from modelship.server.app import ServerState, create_app
 from modelship.server.limits import RequestLimitsConfig
 
@@ -57,10 +57,14 @@ def serve(
     engine_config: EngineConfig | None = None,
     sock: socket.socket | None = None,
     limits: RequestLimitsConfig | None = None,
-) -> None:
-    """Load the model, warm it up, serve until drained. With `sock` (a bound socket handed
-    over by the parent process), listen on it instead of binding `host`/`port`."""
-    engine = AsyncLLMEngine.from_model(model_dir, engine_config)
+    engine_process: bool = True,
+) -> int:
+    """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
+    (a bound socket handed over by the parent process), listen on it instead of binding
+    `host`/`port`. `engine_process`: the engine core runs in its own process (else on a
+    thread of this one); if it dies, the open requests fail and the server exits 1."""
+    engine_type = EngineCoreClient if engine_process else AsyncLLMEngine
+    engine = engine_type.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
     app = create_app(engine, name, variant=variant, api_key=api_key, limits=limits)
     config = uvicorn.Config(
@@ -73,6 +77,17 @@ def serve(
     )
     if sock is not None:
         logger.info("listening on %s:%d (inherited socket)", *sock.getsockname()[:2])
-    DrainingServer(config, app.state.server, grace_period_s).run(
-        sockets=[sock] if sock is not None else None
-    )
+    server = DrainingServer(config, app.state.server, grace_period_s)
+    if isinstance(engine, EngineCoreClient):
+
+        def on_death() -> None:  # the open requests have failed already: let them flush
+            server.should_exit = True
+
+        engine.on_death = on_death
+    server.run(sockets=[sock] if sock is not None else None)
+    if not server.started:
+        return 3  # uvicorn's code for a failed startup (the warm-up step raised)
+    if isinstance(engine, EngineCoreClient) and engine.crashed:
+        logger.error("exiting: the engine core died")
+        return 1
+    return 0

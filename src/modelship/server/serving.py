@@ -11,6 +11,7 @@ from typing import Any
 
 from modelship.engine import (
     AsyncLLMEngine,
+    EngineCoreClient,
     EngineDeadError,
     EngineOverloadedError,
     InvalidParamsError,
@@ -44,7 +45,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: AsyncLLMEngine | EngineCoreClient,
         model_name: str,
         max_model_len: int,
         metrics: ServerMetrics,

@@ -1,0 +1,361 @@
+"""The engine core in its own process, and the async client the server talks to.
+
+vLLM v1's EngineCore shape: the core process runs only schedule -> execute -> sample
+(and the incremental detokenizer, which stop strings need) in a tight loop; the HTTP
+process parses, tokenizes, streams SSE and keeps metrics. They share no interpreter, so
+the event loop never waits for the GIL in the middle of a step, and a step never waits
+for the event loop.
+
+Wire (two pipes, `multiprocessing.connection` framing, pickled tuples):
+- client -> core: `("add", request_id, token_ids, params, priority, cache_salt)`,
+  `("abort", request_id)`, `None` (shut down). The first message is
+  `(model_path, EngineConfig)`.
+- core -> client: `("ready",)` once the model is loaded, then one
+  `("step", acks, deltas, stats)` per loop turn that has news, where each ack is
+  `(request_id, error)` with error None or `(kind, message, detail)`; `("dead", message)`
+  before the core exits on an internal error.
+
+A core that dies (an error, kill -9, out of memory) closes its pipe: the client fails
+every open request with `EngineDeadError`, refuses new ones and calls `on_death`, so the
+server exits non-zero and its supervisor starts a new replica. A client that dies closes
+the core's input pipe and the core exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from modelship.engine.config import EngineConfig
+from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
+from modelship.engine.outputs import EngineStats, SequenceDelta
+from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
+from modelship.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 600.0  # a model load slower than this is a hung core
+_F_SETPIPE_SZ = 1031  # Linux fcntl command
+
+
+# Admission errors cross the pipe as (kind, message, detail): the exception classes take
+# other constructor arguments than they keep in `args`, so they do not unpickle as such.
+def _encode_error(exc: Exception) -> tuple[str, str, Any]:
+    if isinstance(exc, EngineOverloadedError):
+        return ("overloaded", exc.reason, exc.retry_after_s)
+    if isinstance(exc, InvalidParamsError):
+        return ("params", str(exc), exc.param)
+    if isinstance(exc, RequestTooLongError):
+        return ("too_long", str(exc), None)
+    if isinstance(exc, ValueError):
+        return ("value", str(exc), None)
+    return ("internal", f"{type(exc).__name__}: {exc}", None)
+
+
+def _decode_error(kind: str, message: str, detail: Any) -> Exception:
+    if kind == "overloaded":
+        return EngineOverloadedError(message, detail)
+    if kind == "params":
+        return InvalidParamsError(detail, message)
+    if kind == "too_long":
+        return RequestTooLongError(message)
+    if kind == "value":
+        return ValueError(message)
+    return RuntimeError(message)
+
+
+# Core process ------------------------------------------------------------------------------
+class EngineCore:
+    """The loop of the core process: drain the inbox, step, send one message per turn."""
+
+    def __init__(self, engine, inbox: Connection, outbox: Connection) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+
+    def run(self) -> None:
+        """Returns when told to shut down or when the client has gone (its pipe closed)."""
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished():
+                self.inbox.poll(None)  # idle: sleep until a message (or EOF) arrives
+            acks: list[tuple[str, tuple | None]] = []
+            deltas: list[SequenceDelta] = []
+            while self.inbox.poll():
+                try:
+                    message = self.inbox.recv()
+                except EOFError:
+                    return
+                if message is None:
+                    return
+                self._apply(message, acks, deltas)
+            if engine.has_unfinished():
+                deltas.extend(engine.step())
+            if acks or deltas:
+                self.outbox.send(("step", acks, deltas, engine.stats()))
+
+    def _apply(self, message: tuple, acks: list, deltas: list) -> None:
+        if message[0] == "abort":
+            deltas.extend(self.engine.abort(message[1]))
+            return
+        _, request_id, token_ids, params, priority, cache_salt = message
+        try:
+            self.engine.add_request(request_id, token_ids, params, priority, cache_salt)
+        except Exception as exc:  # add_request is atomic: nothing was added
+            acks.append((request_id, _encode_error(exc)))
+            return
+        acks.append((request_id, None))
+
+
+_CORE_MAIN = "import sys; from modelship.engine.core import main; sys.exit(main(sys.argv[1:]))"
+
+
+def main(argv: list[str]) -> int:
+    """The core process: `argv` is [IN_FD, OUT_FD], its ends of the two pipes."""
+    in_fd, out_fd = (int(a) for a in argv)
+    # The client decides when the core stops (its `None`, or its pipe closing): a Ctrl-C
+    # or SIGTERM sent to the whole process group must not kill the core while the server
+    # drains its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    inbox = Connection(in_fd, writable=False)
+    outbox = Connection(out_fd, readable=False)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
+    )
+    try:
+        model_path, config = inbox.recv()
+    except EOFError:
+        return 0
+    from modelship.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(model_path, config)
+        outbox.send(("ready",))
+        EngineCore(engine, inbox, outbox).run()
+    except (BrokenPipeError, EOFError):  # the client has gone: nobody to report to
+        return 0
+    except BaseException as exc:
+        logger.exception("the engine core died; the server fails its requests")
+        with contextlib.suppress(OSError):
+            outbox.send(("dead", f"the engine stopped after an internal error: {exc!r}"))
+        return 1
+    return 0
+
+
+# Client (the server's process) -------------------------------------------------------------
+class _Stream:
+    __slots__ = ("queue", "remaining", "unsent")
+
+    def __init__(self, n: int) -> None:
+        self.queue: asyncio.Queue[SequenceDelta | BaseException] = asyncio.Queue()
+        self.remaining = n  # sequences the reader has not seen finish
+        self.unsent = n  # sequences whose final delta has not arrived from the core
+
+
+class EngineCoreClient:
+    """`AsyncLLMEngine`'s interface over an engine core in a child process.
+
+    Starts the core at once (it loads the model while this process goes on importing the
+    server); the first `add_request` waits until the core is ready. Call from one event
+    loop; `on_death` (if set) is called in that loop when the core has died."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.config = config or EngineConfig()
+        core_in, self._inbox_w = os.pipe()
+        self._outbox_r, core_out = os.pipe()
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _CORE_MAIN, str(core_in), str(core_out)],
+            pass_fds=(core_in, core_out),
+        )
+        os.close(core_in)
+        os.close(core_out)
+        for fd in (self._inbox_w, self._outbox_r):
+            with contextlib.suppress(OSError):  # a bigger buffer: fewer stalls on a busy core
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, 1 << 20)
+        self._to_core = Connection(self._inbox_w, readable=False)
+        self._from_core = Connection(self._outbox_r, writable=False)
+        self._to_core.send((self.model_path, self.config))
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.on_death: Callable[[], None] | None = None
+        self._stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self._streams: dict[str, _Stream] = {}
+        self._admissions: dict[str, asyncio.Future[None]] = {}
+        self._ready: asyncio.Future[None] | None = None
+        self._error: EngineDeadError | None = None
+        self._crashed = False
+
+    @classmethod
+    def from_model(cls, model_path: str | Path, config: EngineConfig | None = None):
+        return cls(model_path, config)
+
+    @property
+    def pid(self) -> int:
+        """The core process's pid."""
+        return self._process.pid
+
+    @property
+    def max_model_len(self) -> int:
+        from modelship.model.config import ModelConfig
+
+        model_config = ModelConfig.from_dir(self.model_path)
+        return self.config.max_model_len or model_config.max_position_embeddings
+
+    def stats(self) -> EngineStats:
+        """The snapshot the core sent after its last step."""
+        return self._stats
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the core has stopped (died or shut down); never false again."""
+        return self._error is not None
+
+    @property
+    def crashed(self) -> bool:
+        """True if the core died rather than being shut down."""
+        return self._crashed
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[SequenceDelta]:
+        """As `AsyncLLMEngine.add_request`: admission errors are raised here."""
+        await self._wait_ready()
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        if request_id in self._admissions or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        accepted = asyncio.get_running_loop().create_future()
+        self._admissions[request_id] = accepted
+        stream = _Stream(params.n)
+        self._streams[request_id] = stream
+        try:
+            self._send(("add", request_id, list(token_ids), params, priority, cache_salt))
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the core may have taken it: abort is a no-op if not
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finally:
+            self._admissions.pop(request_id, None)
+        return self._stream(request_id, stream)
+
+    async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[SequenceDelta]:
+        try:
+            while stream.remaining:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    stream.remaining -= 1
+                yield item
+        finally:
+            if stream.remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self._error is None:
+            self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        """Ask the core to stop and wait for it (kill it after 30 s)."""
+        with contextlib.suppress(OSError):
+            self._to_core.send(None)
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._detach()
+        self._fail(EngineDeadError("the engine was shut down"), notify=False)
+
+    # Messages from the core ------------------------------------------------------------------
+    async def _wait_ready(self) -> None:
+        if self._ready is None:
+            loop = asyncio.get_running_loop()
+            self._ready = loop.create_future()
+            loop.add_reader(self._outbox_r, self._on_readable)
+        await asyncio.wait_for(asyncio.shield(self._ready), _READY_TIMEOUT_S)
+
+    def _send(self, message: Any) -> None:
+        try:
+            self._to_core.send(message)
+        except OSError as exc:  # the core has gone; its EOF fails the requests
+            raise EngineDeadError(f"the engine core has gone: {exc}") from exc
+
+    def _on_readable(self) -> None:
+        try:
+            while self._from_core.poll():
+                self._handle(self._from_core.recv())
+        except (EOFError, OSError):
+            code = self._process.poll()
+            self._fail(EngineDeadError(f"the engine core exited (code {code})"))
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, acks, deltas, self._stats = message
+            for request_id, error in acks:
+                future = self._admissions.get(request_id)
+                if future is None or future.done():
+                    continue
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(_decode_error(*error))
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue
+                stream.queue.put_nowait(delta)
+                if delta.finished:
+                    stream.unsent -= 1
+                    if not stream.unsent:  # its last sequence: nothing more will come
+                        del self._streams[delta.request_id]
+        elif kind == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == "dead":
+            self._fail(EngineDeadError(message[1]))
+
+    def _fail(self, error: EngineDeadError, notify: bool = True) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        self._crashed = notify
+        self._detach()
+        logger.error("%s; failing %d open requests", error, len(self._streams))
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)  # add_request then raises the error
+        for future in self._admissions.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(str(error)))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(str(error)))
+        self._streams.clear()
+        if notify and self.on_death is not None:
+            self.on_death()
+
+    def _detach(self) -> None:
+        if self._ready is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._outbox_r)

@@ -125,6 +125,9 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option(help="Context length cap.")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
+    max_prefill_chunk: Annotated[
+        int, typer.Option(help="Most prompt tokens in a step that also decodes streams.")
+    ] = 256,
     kv_cache_memory_mb: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     max_waiting_requests: Annotated[
@@ -169,6 +172,7 @@ def serve(
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_chunk=max_prefill_chunk,
             kv_cache_memory_bytes=kv_cache_memory_mb * 1024**2,
             block_size=block_size,
             max_waiting_requests=max_waiting_requests,

@@ -82,6 +82,7 @@ class EngineOptions(Section):
     max_model_len: int | None = Field(default=2048, ge=16)
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_prefill_chunk: int = Field(default=256, ge=1)
     kv_cache_memory_mb: int = Field(default=512, ge=1)
     block_size: int = Field(default=16, ge=1)
     max_waiting_requests: int = Field(default=1024, ge=0)
@@ -96,6 +97,7 @@ class EngineOptions(Section):
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk,
             kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
             block_size=self.block_size,
             max_waiting_requests=self.max_waiting_requests,
@@ -112,6 +114,7 @@ class EngineOptions(Section):
         args += [
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-prefill-chunk", str(self.max_prefill_chunk),
             "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
             "--block-size", str(self.block_size),
             "--max-waiting-requests", str(self.max_waiting_requests),

@@ -60,6 +60,32 @@ def test_chunked_prefill_within_budget() -> None:
     assert plan.scheduled[0].num_new_tokens == 1  # decode: one token, same accounting rule
 
 
+def test_while_streams_decode_new_prompts_run_in_bounded_chunks() -> None:
+    scheduler = make(max_num_batched_tokens=64, max_prefill_chunk=8, max_model_len=512)
+    scheduler.add_request(request("a", 4, max_tokens=50))
+    scheduler.add_request(request("b", 4, max_tokens=50, base=100))
+    plan, _ = step(scheduler)  # nothing decodes yet: both prompts in one step
+    assert sorted(s.num_new_tokens for s in plan.scheduled) == [4, 4]
+    scheduler.add_request(request("late", 30, max_tokens=4, base=200))
+    chunks = []
+    while True:
+        plan, _ = step(scheduler)
+        sizes = {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
+        assert sizes["a"] == sizes["b"] == 1  # the streams advance every step
+        chunks.append(sizes["late"])
+        if sizes["late"] == 1:
+            break
+    assert chunks == [8, 8, 8, 6, 1]  # 30 prompt tokens, at most 8 a step, then decode
+
+
+def test_a_step_that_decodes_nothing_takes_the_whole_budget_of_prompt() -> None:
+    scheduler = make(max_num_batched_tokens=64, max_prefill_chunk=8, max_model_len=512)
+    scheduler.add_request(request("one", 40))
+    scheduler.add_request(request("two", 40, base=100))
+    plan, _ = step(scheduler)
+    assert [s.num_new_tokens for s in plan.scheduled] == [40, 24]
+
+
 def test_budget_and_max_num_seqs_every_step() -> None:
     scheduler = make(max_num_batched_tokens=12, max_num_seqs=3)
     for i in range(6):

@@ -31,6 +31,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # While any sequence decodes, a step computes at most this many prompt tokens, so new
+    # arrivals stall the running streams by one bounded chunk; a step that decodes nothing
+    # takes up to `max_num_batched_tokens` of prompt.
+    max_prefill_chunk: int = 256
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1_000_000
     enable_prefix_caching: bool = True
@@ -53,6 +57,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes < 1:

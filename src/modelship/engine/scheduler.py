@@ -122,10 +122,22 @@ class Scheduler:
         plan = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         manager = self.block_manager
+        # Prompt tokens this step may compute: one bounded chunk when streams decode in it
+        # (their next token waits for the whole step), else the whole budget.
+        num_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prefill_budget = budget
+        if num_decoding:
+            prefill_budget = max(0, min(self.config.max_prefill_chunk, budget - num_decoding))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 1:  # a prompt (or a recomputed prefix) still in prefill
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not manager.can_allocate(seq, num_new):
                 victim = self.running[-1]  # lowest priority, newest arrival
                 self._preempt(victim)
@@ -141,13 +153,18 @@ class Scheduler:
             break  # `seq` itself was preempted: everything after it was too
         if plan.preempted:
             return plan
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             computed = manager.get_computed_blocks(seq) if not seq.block_table else NO_HIT
             num_computed = computed.num_tokens or seq.num_computed_tokens
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = min(seq.num_tokens - num_computed, budget, prefill_budget)
             if not manager.can_allocate(seq, num_new, computed):
                 break
+            prefill_budget -= num_new
             self._dequeue(seq)
             manager.allocate(seq, num_new, computed)
             seq.status = SequenceStatus.RUNNING

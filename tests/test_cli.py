@@ -85,3 +85,28 @@ def test_revision_on_a_local_folder_is_refused(tiny_llama_dir: Path, tmp_path: P
     result = run_cli("acquire", str(tiny_llama_dir), "--revision", "v1", "--storage", str(tmp_path))
     assert result.returncode == 1
     assert "--revision applies to Hub repos only" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("serve", "no-such-folder"),  # not a model folder
+        ("serve", ".", "--block-size", "0"),  # an impossible engine option
+        ("gateway",),  # no replicas to route to
+        ("up", "--config", "no-such-pipeline.yaml"),
+        ("release", "status", "--config", "no-such-pipeline.yaml"),
+        ("deploy", "render", "--out", "x", "--config", "no-such-pipeline.yaml"),
+    ],
+)
+def test_configuration_errors_exit_2_in_every_command_group(args, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "modelship", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200", "MODELSHIP_GATEWAY_ENDPOINTS": ""},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error" in result.stderr.lower()
+    assert "Traceback" not in result.stderr

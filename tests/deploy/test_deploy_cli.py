@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from modelship.deploy.cli import deploy_app
+from modelship.cli.deploy import deploy_app
 
 runner = CliRunner()
 
@@ -60,7 +60,7 @@ def test_broken_config_names_the_field_and_writes_nothing(tmp_path: Path) -> Non
     out = tmp_path / "nested" / "out"
     result = invoke("render", "--config", config, "--out", out)
 
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a configuration error, as for every command
     assert f"{config}: deploy.serving.max_replicas: max_replicas 2 is below" in result.output
     assert not out.exists() and not out.parent.exists()
 
@@ -69,7 +69,7 @@ def test_render_problem_writes_nothing(tmp_path: Path) -> None:
     config = tmp_path / "pipeline.yaml"
     config.write_text("deploy:\n  serving:\n    gpu: {count: 1}\n")
     result = invoke("render", "--config", config, "--out", tmp_path / "out")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "serve.engine.device" in result.output
     assert list(tmp_path.iterdir()) == [config]
 
@@ -88,7 +88,7 @@ def test_rerender_replaces_a_previous_render_whole(tmp_path: Path) -> None:
 def test_refuses_to_replace_a_folder_that_is_not_a_render(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     result = invoke("render", "--out", tmp_path)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "not a previous render" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 

@@ -1,4 +1,4 @@
-"""The `modelship` command line."""
+"""Pipeline commands: acquire, verify, optimize, select, rollback, status, run."""
 
 from __future__ import annotations
 
@@ -6,45 +6,24 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from modelship.cli.common import (
+    ConfigOption,
+    ConfigStorageOption,
+    ModelOption,
+    StorageOption,
+    console,
+    err_console,
+    exit_code,
+    fail,
+    load_config,
+    model_context,
+)
 from modelship.pipeline.errors import PipelineError
 from modelship.progress import make_progress
 from modelship.storage import STORAGE_ENV, Storage, StorageError
 
-app = typer.Typer(
-    help="modelship: from a model name to a fast, OpenAI-compatible production API.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console()
-err_console = Console(stderr=True)
-
-StorageOption = Annotated[
-    Path,
-    typer.Option(
-        "--storage",
-        envvar=STORAGE_ENV,
-        help="Storage root shared by all stages.",
-        show_default=True,
-    ),
-]
-
-
-# Exit code of a failure worth retrying (EX_TEMPFAIL): the Argo Workflow retries on it.
-TRANSIENT_EXIT_CODE = 75
-
-
-def exit_code(exc: Exception) -> int:
-    from modelship.pipeline.errors import TransientError
-
-    return TRANSIENT_EXIT_CODE if isinstance(exc, TransientError) else 1
-
-
-def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+app = typer.Typer()
 
 
 @app.command()
@@ -102,148 +81,6 @@ def verify(
 
 
 @app.command()
-def serve(
-    model_dir: Annotated[Path, typer.Argument(help="An HF model folder (base, variant, release).")],
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients use (default: the folder name).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="MODELSHIP_API_KEY",
-            help="Require this bearer key. Prefer the environment variable: every user "
-            "can read a command line (ps).",
-        ),
-    ] = None,
-    variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[
-        str | None, typer.Option(help="float32, bfloat16 or float16 (default: per device).")
-    ] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context length cap.")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
-    max_prefill_chunk: Annotated[
-        int, typer.Option(help="Most prompt tokens in a step that also decodes streams.")
-    ] = 256,
-    kv_cache_memory_mb: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    max_waiting_requests: Annotated[
-        int, typer.Option(help="Queue bound before 429 (requests).")
-    ] = 1024,
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = True,
-    max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
-    max_stop: Annotated[
-        int, typer.Option(help="Most stop strings (and stop token ids) per request.")
-    ] = 16,
-    max_stop_chars: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
-    grace_period: Annotated[
-        float, typer.Option(help="Seconds to finish requests on SIGTERM.")
-    ] = 30.0,
-    fd: Annotated[
-        int | None,
-        typer.Option(
-            help="Listen on this inherited, already bound socket instead of --host/--port "
-            "(a parent process that chose the port hands it over without a race)."
-        ),
-    ] = None,
-    engine_process: Annotated[
-        bool,
-        typer.Option(
-            "--engine-process/--engine-thread",
-            help="Run the engine core in its own process (default) or on a thread of the server's.",
-        ),
-    ] = True,
-) -> None:
-    """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
-    from modelship.engine import EngineConfig
-    from modelship.pipeline.acquire import validate_model_folder
-    from modelship.server.launcher import serve as run_server
-    from modelship.server.limits import RequestLimitsConfig
-
-    try:
-        validate_model_folder(model_dir)
-        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)
-        config = EngineConfig(
-            device=device,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=max_prefill_chunk,
-            kv_cache_memory_bytes=kv_cache_memory_mb * 1024**2,
-            block_size=block_size,
-            max_waiting_requests=max_waiting_requests,
-            enable_prefix_caching=prefix_caching,
-        )
-    except (PipelineError, ValueError) as exc:
-        fail(str(exc), exit_code(exc))
-        return
-    import logging
-    import socket
-
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    code = run_server(
-        model_dir,
-        host=host,
-        port=port,
-        served_model_name=served_model_name,
-        api_key=api_key,
-        variant=variant,
-        grace_period_s=grace_period,
-        engine_config=config,
-        sock=socket.socket(fileno=fd) if fd is not None else None,
-        limits=limits,
-        engine_process=engine_process,
-    )
-    if code:
-        raise typer.Exit(code)
-
-
-ConfigStorageOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--storage", envvar=STORAGE_ENV, help="Storage root (default: the config's `storage`)."
-    ),
-]
-ModelOption = Annotated[str | None, typer.Option(help="Model slug under models/.")]
-ConfigOption = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="pipeline.yaml (default: built-in defaults, demo model)."),
-]
-
-
-def load_config(path: Path | None, **overrides):
-    from modelship.config import ConfigError, ModelshipConfig
-
-    try:
-        return ModelshipConfig.load(path, **overrides)
-    except ConfigError as exc:
-        fail(str(exc), code=2)
-
-
-def _slug(config, model: str | None) -> str:
-    from modelship.pipeline.run import model_slug
-
-    if model:
-        return model
-    try:
-        return model_slug(config)
-    except PipelineError as exc:
-        fail(f"{exc} (pass --model SLUG to name an acquired model)")
-
-
-def _model_context(config_path: Path | None, storage: Path | None, model: str | None):
-    """The config (with a `--storage` override), its storage root and the model's slug."""
-    config = load_config(config_path, storage=storage)
-    return config, Storage(config.storage), _slug(config, model)
-
-
-@app.command()
 def optimize(
     config_path: ConfigOption = None,
     variant: Annotated[
@@ -256,7 +93,7 @@ def optimize(
     """Make optimized variants (fp16, awq, gptq...) of an acquired model, in parallel."""
     from modelship.pipeline.optimize import optimize as run_optimize
 
-    config, store, slug = _model_context(config_path, storage, model)
+    config, store, slug = model_context(config_path, storage, model)
     variants = variant or config.optimize.variants
     try:
         results = run_optimize(
@@ -283,7 +120,7 @@ def select(
     """Measure every variant, gate, score, publish the winner as a release (production)."""
     from modelship.pipeline.select.runner import select as run_select
 
-    config, store, slug = _model_context(config_path, storage, model)
+    config, store, slug = model_context(config_path, storage, model)
     try:
         result = run_select(store, slug, config, log=err_console.print)
     except (PipelineError, StorageError) as exc:
@@ -316,7 +153,7 @@ def rollback(
     """Point production at an earlier release (atomically)."""
     from modelship.pipeline.select.runner import rollback as run_rollback
 
-    _, store, slug = _model_context(config_path, storage, model)
+    _, store, slug = model_context(config_path, storage, model)
     try:
         before, after = run_rollback(store, slug, to)
     except (PipelineError, StorageError) as exc:
@@ -337,7 +174,7 @@ def status(
     from modelship.pipeline.dag import read_status
     from modelship.pipeline.run import run_dir
 
-    _, store, slug = _model_context(config_path, storage, model)
+    _, store, slug = model_context(config_path, storage, model)
     state = read_status(run_dir(store, slug))
     if state is None:
         console.print(f"no pipeline run recorded for {slug} under {store.root}")
@@ -403,21 +240,6 @@ def run(
     console.print(f"report: {production / 'report.md'}")
     if not serve_after:
         return
-    from modelship.gateway.cli import run_up
+    from modelship.cli.common import serve_fleet
 
-    run_up(config, store, slug)
-
-
-def _register_subcommands() -> None:
-    from modelship.deploy.cli import deploy_app
-    from modelship.gateway.cli import register
-
-    app.add_typer(deploy_app, name="deploy")
-    register(app)
-
-
-_register_subcommands()
-
-
-def main() -> None:
-    app()
+    serve_fleet(config, store, slug)

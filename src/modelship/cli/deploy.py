@@ -1,7 +1,4 @@
-"""`modelship deploy ...`: render the pipeline and the service for Kubernetes, check a render.
-
-Registered in the main CLI with `app.add_typer(deploy_app, name="deploy")`.
-"""
+"""`modelship deploy ...`: render the pipeline and the service for Kubernetes, check a render."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from modelship.cli.common import CONFIG_EXIT_CODE, fail
 from modelship.config import ConfigError, ModelshipConfig
 
 deploy_app = typer.Typer(
@@ -31,11 +29,6 @@ class ServingKind(StrEnum):
 class Autoscaler(StrEnum):
     hpa = "hpa"
     keda = "keda"
-
-
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
 
 
 def load_config(
@@ -74,9 +67,10 @@ def render(
     try:
         rendered = render_objects(load_config(config, serving, autoscaler))
         paths = write_rendered(rendered, out)
-    except (ConfigError, RenderError) as exc:
+    except (ConfigError, RenderError) as exc:  # a broken or impossible configuration
+        fail(str(exc), CONFIG_EXIT_CODE)
+    except OSError as exc:
         fail(str(exc))
-        return
     for path in paths:
         objects = rendered.files.get(path.name, [])
         kinds = Counter(obj["kind"] for obj in objects)
@@ -119,7 +113,6 @@ def validate(
         problems = validate_objects(objects, schemas, version)
     except ValidationUnavailable as exc:
         fail(str(exc))
-        return
     problems += [str(error) for error in check_objects(objects)]
     for problem in problems:
         typer.echo(problem, err=True)

@@ -1,0 +1,26 @@
+"""The `modelship` command line: one module per command group, assembled here.
+
+Each group imports only `common` (consoles, options, config, exit codes); this module
+puts them in one Typer app.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from modelship.cli import deploy, fleet, pipeline, serve
+
+app = typer.Typer(
+    help="modelship: from a model name to a fast, OpenAI-compatible production API.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for group in (pipeline.app, serve.app, fleet.app):
+    app.registered_commands += group.registered_commands
+app.add_typer(fleet.release_app, name="release")
+app.add_typer(deploy.deploy_app, name="deploy")
+
+
+def main() -> None:
+    app()

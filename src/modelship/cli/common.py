@@ -1,0 +1,114 @@
+"""What every command group shares: consoles, failing with an exit code, options, config.
+
+Exit codes, the same for every command: 0 done, 1 failed, 2 bad configuration or usage
+(a broken pipeline.yaml, an impossible combination of options), 75 a transient failure
+worth retrying (EX_TEMPFAIL: the Argo Workflow retries on it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+from modelship.pipeline.errors import PipelineError
+from modelship.storage import STORAGE_ENV, Storage
+
+console = Console()
+err_console = Console(stderr=True)
+
+FAILURE_EXIT_CODE = 1
+CONFIG_EXIT_CODE = 2
+TRANSIENT_EXIT_CODE = 75
+
+
+def exit_code(exc: Exception) -> int:
+    """75 for an error worth retrying (`TransientError`), else 1."""
+    from modelship.pipeline.errors import TransientError
+
+    return TRANSIENT_EXIT_CODE if isinstance(exc, TransientError) else FAILURE_EXIT_CODE
+
+
+def fail(message: str, code: int = FAILURE_EXIT_CODE) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def setup_logging() -> None:
+    """Log lines of the long-running commands (serve, up, gateway) on stderr."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
+
+
+StorageOption = Annotated[
+    Path,
+    typer.Option(
+        "--storage",
+        envvar=STORAGE_ENV,
+        help="Storage root shared by all stages.",
+        show_default=True,
+    ),
+]
+ConfigStorageOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--storage", envvar=STORAGE_ENV, help="Storage root (default: the config's `storage`)."
+    ),
+]
+ModelOption = Annotated[str | None, typer.Option(help="Model slug under models/.")]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="pipeline.yaml (default: built-in defaults, demo model)."),
+]
+
+
+def load_config(path: Path | None, **overrides):
+    """pipeline.yaml (or the defaults) with `overrides`; a broken file exits 2."""
+    from modelship.config import ConfigError, ModelshipConfig
+
+    try:
+        return ModelshipConfig.load(path, **overrides)
+    except ConfigError as exc:
+        fail(str(exc), CONFIG_EXIT_CODE)
+
+
+def model_context(config_path: Path | None, storage: Path | None, model: str | None):
+    """The config (with a `--storage` override), its storage root and the model's slug."""
+    from modelship.pipeline.run import model_slug
+
+    config = load_config(config_path, storage=storage)
+    if model:
+        return config, Storage(config.storage), model
+    try:
+        slug = model_slug(config)
+    except PipelineError as exc:
+        fail(f"{exc} (pass --model SLUG to name an acquired model)")
+    return config, Storage(config.storage), slug
+
+
+def serve_fleet(
+    config, storage: Storage, slug: str, host: str | None = None, port: int | None = None
+) -> None:
+    """Gateway + supervisor + replicas of the production release, until SIGTERM/SIGINT
+    (`modelship up`, and `modelship run` after the pipeline)."""
+    from modelship.autoscale.fleet import LocalFleet
+    from modelship.gateway.launcher import run_gateway
+    from modelship.storage import StorageError
+
+    try:
+        fleet = LocalFleet(config, storage, slug)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc), exit_code(exc))
+    setup_logging()
+    host = host or config.gateway.host
+    port = port or config.gateway.port
+    console.print(
+        f"[green]serving[/] {fleet.served_model_name} at http://{host}:{port}/v1 "
+        f"(replica logs: {fleet.log_dir})"
+    )
+    run_gateway(fleet.app(), fleet.service, host, port, config.serve.grace_period_s)

@@ -1,0 +1,112 @@
+"""`modelship serve`: one replica of a model folder with the OpenAI API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
+from modelship.pipeline.errors import PipelineError
+
+app = typer.Typer()
+
+
+@app.command()
+def serve(
+    model_dir: Annotated[Path, typer.Argument(help="An HF model folder (base, variant, release).")],
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients use (default: the folder name).")
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_API_KEY",
+            help="Require this bearer key. Prefer the environment variable: every user "
+            "can read a command line (ps).",
+        ),
+    ] = None,
+    variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[
+        str | None, typer.Option(help="float32, bfloat16 or float16 (default: per device).")
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length cap.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
+    max_prefill_chunk: Annotated[
+        int, typer.Option(help="Most prompt tokens in a step that also decodes streams.")
+    ] = 256,
+    kv_cache_memory_mb: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    max_waiting_requests: Annotated[
+        int, typer.Option(help="Queue bound before 429 (requests).")
+    ] = 1024,
+    prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = True,
+    max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
+    max_stop: Annotated[
+        int, typer.Option(help="Most stop strings (and stop token ids) per request.")
+    ] = 16,
+    max_stop_chars: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
+    grace_period: Annotated[
+        float, typer.Option(help="Seconds to finish requests on SIGTERM.")
+    ] = 30.0,
+    fd: Annotated[
+        int | None,
+        typer.Option(
+            help="Listen on this inherited, already bound socket instead of --host/--port "
+            "(a parent process that chose the port hands it over without a race)."
+        ),
+    ] = None,
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            "--engine-process/--engine-thread",
+            help="Run the engine core in its own process (default) or on a thread of the server's.",
+        ),
+    ] = True,
+) -> None:
+    """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
+    from modelship.engine import EngineConfig
+    from modelship.pipeline.acquire import validate_model_folder
+    from modelship.server.launcher import serve as run_server
+    from modelship.server.limits import RequestLimitsConfig
+
+    try:
+        validate_model_folder(model_dir)
+        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)
+        config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_prefill_chunk=max_prefill_chunk,
+            kv_cache_memory_bytes=kv_cache_memory_mb * 1024**2,
+            block_size=block_size,
+            max_waiting_requests=max_waiting_requests,
+            enable_prefix_caching=prefix_caching,
+        )
+    except (PipelineError, ValueError) as exc:  # not a model folder, or a bad option
+        fail(str(exc), CONFIG_EXIT_CODE)
+    import socket
+
+    setup_logging()
+    code = run_server(
+        model_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        variant=variant,
+        grace_period_s=grace_period,
+        engine_config=config,
+        sock=socket.socket(fileno=fd) if fd is not None else None,
+        limits=limits,
+        engine_process=engine_process,
+    )
+    if code:
+        raise typer.Exit(code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.optimize.schemes import Recipe, Scheme, register_scheme
+from modelship.pipeline.optimize.recipe import Recipe, Scheme
 from modelship.pipeline.optimize.weights import cast_checkpoint, copy_tokenizer_files
 
 
@@ -15,11 +15,9 @@ def run_cast(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
     return {"dtype": recipe.dtype}
 
 
-register_scheme(
-    Scheme(
-        name="fp16",
-        description="weights cast to float16",
-        default_recipe=Recipe(scheme="fp16", dtype="float16"),
-        run=run_cast,
-    )
+FP16 = Scheme(
+    name="fp16",
+    description="weights cast to float16",
+    default_recipe=Recipe(scheme="fp16", dtype="float16"),
+    run=run_cast,
 )

@@ -15,7 +15,7 @@ from unittest import mock
 
 from modelship.pipeline.calibration import calibration_texts
 from modelship.pipeline.errors import PipelineError
-from modelship.pipeline.optimize.schemes import Recipe, Scheme, register_scheme
+from modelship.pipeline.optimize.recipe import Recipe, Scheme
 from modelship.pipeline.optimize.weights import cast_floating_in_place, copy_tokenizer_files
 
 
@@ -104,39 +104,35 @@ def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
     return {"quant_method": "compressed-tensors", "format": "pack-quantized"}
 
 
-register_scheme(
-    Scheme(
-        name="gptq",
-        description="GPTQ W4A16, symmetric, group-wise scales",
-        default_recipe=Recipe(
-            scheme="gptq",
-            bits=4,
-            group_size=64,
-            symmetric=True,
-            # 32 x 512 tokens: ~16k calibration tokens, enough for GPTQ's Hessians at
-            # this size and about half the time of 64 samples on 2 CPU cores.
-            num_calibration_samples=32,
-            max_seq_length=512,
-            options={"batch_size": 8},
-        ),
-        run=_run,
-    )
+GPTQ = Scheme(
+    name="gptq",
+    description="GPTQ W4A16, symmetric, group-wise scales",
+    default_recipe=Recipe(
+        scheme="gptq",
+        bits=4,
+        group_size=64,
+        symmetric=True,
+        # 32 x 512 tokens: ~16k calibration tokens, enough for GPTQ's Hessians at
+        # this size and about half the time of 64 samples on 2 CPU cores.
+        num_calibration_samples=32,
+        max_seq_length=512,
+        options={"batch_size": 8},
+    ),
+    run=_run,
 )
-register_scheme(
-    Scheme(
-        name="awq",
-        description="AWQ W4A16, asymmetric (zero points), group-wise scales",
-        default_recipe=Recipe(
-            scheme="awq",
-            bits=4,
-            group_size=64,
-            symmetric=False,
-            # AWQ's grid search runs the calibration set through every layer n_grid times;
-            # 16 x 256 tokens and 10 grid points keep it to a few CPU minutes.
-            num_calibration_samples=16,
-            max_seq_length=256,
-            options={"batch_size": 8, "n_grid": 10},
-        ),
-        run=_run,
-    )
+AWQ = Scheme(
+    name="awq",
+    description="AWQ W4A16, asymmetric (zero points), group-wise scales",
+    default_recipe=Recipe(
+        scheme="awq",
+        bits=4,
+        group_size=64,
+        symmetric=False,
+        # AWQ's grid search runs the calibration set through every layer n_grid times;
+        # 16 x 256 tokens and 10 grid points keep it to a few CPU minutes.
+        num_calibration_samples=16,
+        max_seq_length=256,
+        options={"batch_size": 8, "n_grid": 10},
+    ),
+    run=_run,
 )

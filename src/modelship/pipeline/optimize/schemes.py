@@ -1,4 +1,4 @@
-"""Optimization schemes: a registry of named variants, each an offline job writing a folder.
+"""Optimization schemes: a literal table of named variants, each an offline job writing a folder.
 
 A scheme is the offline half of quantization (STYLE habit 9): it writes weights plus a
 config the engine's load-time handler understands. What a variant folder holds is read
@@ -7,62 +7,23 @@ from its config and manifest, never from its name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
-
 from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.optimize.cast import FP16
+from modelship.pipeline.optimize.llmcompressor_schemes import AWQ, GPTQ
+from modelship.pipeline.optimize.recipe import Recipe, Scheme
 
+__all__ = ["SCHEMES", "Recipe", "Scheme", "create_scheme", "supported_schemes"]
 
-@dataclass(frozen=True)
-class Recipe:
-    """Everything that changes a scheme's output; hashed for memoization."""
-
-    scheme: str
-    dtype: str = "float16"
-    bits: int | None = None
-    group_size: int | None = None
-    symmetric: bool | None = None
-    num_calibration_samples: int = 0
-    max_seq_length: int = 0
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-SchemeRun = Callable[[Recipe, Path, Path], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Scheme:
-    name: str
-    description: str
-    default_recipe: Recipe
-    run: SchemeRun  # (recipe, base_dir, out_dir) -> facts for the manifest
-
-
-_SCHEMES: dict[str, Scheme] = {}
-
-
-def register_scheme(scheme: Scheme) -> None:
-    _SCHEMES[scheme.name] = scheme
+SCHEMES: dict[str, Scheme] = {scheme.name: scheme for scheme in (FP16, AWQ, GPTQ)}
 
 
 def create_scheme(name: str) -> Scheme:
-    _load_builtin()
-    if name not in _SCHEMES:
+    if name not in SCHEMES:
         raise PipelineError(
-            f"unknown optimization scheme {name!r}; supported: {', '.join(sorted(_SCHEMES))}"
+            f"unknown optimization scheme {name!r}; supported: {', '.join(sorted(SCHEMES))}"
         )
-    return _SCHEMES[name]
+    return SCHEMES[name]
 
 
 def supported_schemes() -> list[str]:
-    _load_builtin()
-    return sorted(_SCHEMES)
-
-
-def _load_builtin() -> None:
-    from modelship.pipeline.optimize import cast, llmcompressor_schemes  # noqa: F401
+    return sorted(SCHEMES)

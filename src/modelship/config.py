@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from modelship.autoscale.supervisor import SupervisorConfig
 from modelship.deploy.config import DeployConfig
+from modelship.fleet.supervisor import SupervisorConfig
 from modelship.gateway.config import GatewayConfig
 
 

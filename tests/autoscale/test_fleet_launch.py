@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from modelship.autoscale.fleet import LocalFleet
 from modelship.config import ModelshipConfig
+from modelship.fleet.local import LocalFleet
 from modelship.storage import Storage
 
 from fleet_storage import publish_release

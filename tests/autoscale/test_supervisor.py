@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from modelship.autoscale.supervisor import ReleaseSpec, Supervisor, SupervisorConfig
+from modelship.fleet.supervisor import ReleaseSpec, Supervisor, SupervisorConfig
 from modelship.gateway.canary import Track
 from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.pool import EndpointPool
@@ -57,7 +57,7 @@ def test_a_replica_not_ready_in_time_is_killed_and_the_log_says_how_long(
             await supervisor.tick()  # 200 s: still waiting
             assert not launched[0].has_exited()
             clock.now = 1400.0
-            with caplog.at_level(logging.ERROR, logger="modelship.autoscale.supervisor"):
+            with caplog.at_level(logging.ERROR, logger="modelship.fleet.supervisor"):
                 await supervisor.tick()
 
     try:

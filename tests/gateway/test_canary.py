@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from modelship.fleet.releases import end_canary, promote_canary, read_traffic, start_canary
 from modelship.gateway.canary import CanaryJudge, Track, in_canary
 from modelship.gateway.config import CanaryJudgeConfig, GatewayConfig, RequestLimitsConfig
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.request import parse_request
 from modelship.gateway.service import GatewayService
 from modelship.gateway.tenants import Tenant, TenantConfig, hash_api_key
-from modelship.gateway.traffic import end_canary, promote_canary, read_traffic, start_canary
 from modelship.pipeline.errors import PipelineError
 from modelship.storage import Storage
 

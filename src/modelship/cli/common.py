@@ -96,7 +96,7 @@ def serve_fleet(
 ) -> None:
     """Gateway + supervisor + replicas of the production release, until SIGTERM/SIGINT
     (`modelship up`, and `modelship run` after the pipeline)."""
-    from modelship.autoscale.fleet import LocalFleet
+    from modelship.fleet.local import LocalFleet
     from modelship.gateway.launcher import run_gateway
     from modelship.storage import StorageError
 

@@ -117,7 +117,7 @@ def canary(
     storage: ConfigStorageOption = None,
 ) -> None:
     """Send WEIGHT percent of traffic to RELEASE; a running `modelship up` follows."""
-    from modelship.gateway.traffic import start_canary
+    from modelship.fleet.releases import start_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -133,7 +133,7 @@ def promote(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """Make the canary production; its replicas become the stable ones."""
-    from modelship.gateway.traffic import promote_canary
+    from modelship.fleet.releases import promote_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -148,7 +148,7 @@ def rollback(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """End the canary: all traffic back to production."""
-    from modelship.gateway.traffic import end_canary
+    from modelship.fleet.releases import end_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -166,7 +166,7 @@ def status(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """Production, the canary and the release history."""
-    from modelship.gateway.traffic import read_traffic
+    from modelship.fleet.releases import read_traffic
 
     _, store, slug = model_context(config_path, storage, model)
     try:

@@ -15,13 +15,13 @@ import secrets
 
 from starlette.applications import Starlette
 
-from modelship.autoscale.supervisor import ReleaseSpec, Supervisor
 from modelship.config import ModelshipConfig
+from modelship.fleet.releases import end_canary, read_traffic
+from modelship.fleet.supervisor import ReleaseSpec, Supervisor
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.service import GatewayService
-from modelship.gateway.traffic import end_canary, read_traffic
 from modelship.pipeline.errors import PipelineError
 from modelship.server.process import ReplicaProcess
 from modelship.storage import Storage, read_manifest

@@ -13,7 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from modelship.deploy.config import DeployConfig
-from modelship.fleet.supervisor import SupervisorConfig
+from modelship.engine.options import EngineOptions
+from modelship.fleet.config import SupervisorConfig
 from modelship.gateway.config import GatewayConfig
 
 
@@ -74,53 +75,6 @@ class SelectConfig(Section):
             if weight < 0:
                 raise ValueError(f"weight of {group} must be >= 0, got {weight}")
         return weights
-
-
-class EngineOptions(Section):
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    max_model_len: int | None = Field(default=2048, ge=16)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_prefill_chunk: int = Field(default=256, ge=1)
-    kv_cache_memory_mb: int = Field(default=512, ge=1)
-    block_size: int = Field(default=16, ge=1)
-    max_waiting_requests: int = Field(default=1024, ge=0)
-    prefix_caching: bool = True
-
-    def to_engine_config(self):
-        from modelship.engine import EngineConfig
-
-        return EngineConfig(
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk,
-            kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
-            block_size=self.block_size,
-            max_waiting_requests=self.max_waiting_requests,
-            enable_prefix_caching=self.prefix_caching,
-        )
-
-    def cli_args(self) -> list[str]:
-        """The same options as `modelship serve` flags."""
-        args = ["--device", self.device]
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        if self.max_model_len:
-            args += ["--max-model-len", str(self.max_model_len)]
-        args += [
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--max-prefill-chunk", str(self.max_prefill_chunk),
-            "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
-            "--block-size", str(self.block_size),
-            "--max-waiting-requests", str(self.max_waiting_requests),
-            "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
-        ]  # fmt: skip
-        return args
 
 
 class ServeConfig(Section):

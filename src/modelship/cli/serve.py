@@ -8,9 +8,11 @@ from typing import Annotated
 import typer
 
 from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
+from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
 
 app = typer.Typer()
+_ENGINE = EngineOptions()  # the defaults, shared with pipeline.yaml's serve.engine
 
 
 @app.command()
@@ -30,22 +32,30 @@ def serve(
         ),
     ] = None,
     variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = _ENGINE.device,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16 (default: per device).")
     ] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context length cap.")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step.")] = 2048,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Context length cap (default: the model's).")
+    ] = _ENGINE.max_model_len,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per step.")] = _ENGINE.max_num_seqs,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Token budget per step.")
+    ] = _ENGINE.max_num_batched_tokens,
     max_prefill_chunk: Annotated[
         int, typer.Option(help="Most prompt tokens in a step that also decodes streams.")
-    ] = 256,
-    kv_cache_memory_mb: Annotated[int, typer.Option(help="KV cache budget in MiB.")] = 512,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    ] = _ENGINE.max_prefill_chunk,
+    kv_cache_memory_mb: Annotated[
+        int, typer.Option(help="KV cache budget in MiB.")
+    ] = _ENGINE.kv_cache_memory_mb,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = _ENGINE.block_size,
     max_waiting_requests: Annotated[
         int, typer.Option(help="Queue bound before 429 (requests).")
-    ] = 1024,
-    prefix_caching: Annotated[bool, typer.Option(help="Reuse cached prompt blocks.")] = True,
+    ] = _ENGINE.max_waiting_requests,
+    prefix_caching: Annotated[
+        bool, typer.Option(help="Reuse cached prompt blocks.")
+    ] = _ENGINE.prefix_caching,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -70,7 +80,9 @@ def serve(
     ] = True,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
-    from modelship.engine import EngineConfig
+    from pydantic import ValidationError
+
+    from modelship.config import format_errors
     from modelship.pipeline.acquire import validate_model_folder
     from modelship.server.launcher import serve as run_server
     from modelship.server.limits import RequestLimitsConfig
@@ -78,18 +90,21 @@ def serve(
     try:
         validate_model_folder(model_dir)
         limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)
-        config = EngineConfig(
+        options = EngineOptions(
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_prefill_chunk=max_prefill_chunk,
-            kv_cache_memory_bytes=kv_cache_memory_mb * 1024**2,
+            kv_cache_memory_mb=kv_cache_memory_mb,
             block_size=block_size,
             max_waiting_requests=max_waiting_requests,
-            enable_prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching,
         )
+        config = options.to_engine_config()
+    except ValidationError as exc:  # the message names the flag's field
+        fail(format_errors(exc, "option"), CONFIG_EXIT_CODE)
     except (PipelineError, ValueError) as exc:  # not a model folder, or a bad option
         fail(str(exc), CONFIG_EXIT_CODE)
     import socket

@@ -1,26 +1,37 @@
-"""modelship.engine: continuous batching over a paged KV cache with prefix caching."""
+"""modelship.engine: continuous batching over a paged KV cache with prefix caching.
 
-from modelship.engine.async_engine import AsyncLLMEngine
-from modelship.engine.config import EngineConfig
-from modelship.engine.core import EngineCoreClient
-from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
-from modelship.engine.llm import LLM
-from modelship.engine.llm_engine import LLMEngine
-from modelship.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
-from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
+Names are loaded on first use: the engine pulls in torch, and leaf modules such as
+`engine.options` (read with every pipeline.yaml) must not.
+"""
 
-__all__ = [
-    "LLM",
-    "AsyncLLMEngine",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineCoreClient",
-    "EngineDeadError",
-    "EngineOverloadedError",
-    "InvalidParamsError",
-    "LLMEngine",
-    "RequestOutput",
-    "RequestTooLongError",
-    "SamplingParams",
-    "SequenceDelta",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "modelship.engine.llm",
+    "AsyncLLMEngine": "modelship.engine.async_engine",
+    "CompletionOutput": "modelship.engine.outputs",
+    "EngineConfig": "modelship.engine.config",
+    "EngineCoreClient": "modelship.engine.core",
+    "EngineDeadError": "modelship.engine.errors",
+    "EngineOptions": "modelship.engine.options",
+    "EngineOverloadedError": "modelship.engine.errors",
+    "InvalidParamsError": "modelship.engine.sampling_params",
+    "LLMEngine": "modelship.engine.llm_engine",
+    "RequestOutput": "modelship.engine.outputs",
+    "RequestTooLongError": "modelship.engine.errors",
+    "SamplingParams": "modelship.engine.sampling_params",
+    "SequenceDelta": "modelship.engine.outputs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'modelship.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

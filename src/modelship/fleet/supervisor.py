@@ -20,27 +20,15 @@ from enum import StrEnum
 from pathlib import Path
 
 import httpx
-from pydantic import Field
 
-from modelship.autoscale.policy import AutoscalerConfig, AutoscalerPolicy
+from modelship.autoscale.policy import AutoscalerPolicy
+from modelship.fleet.config import SupervisorConfig
 from modelship.gateway.canary import Track
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool
 from modelship.server.process import ReplicaProcess
 
 logger = logging.getLogger(__name__)
-
-
-class SupervisorConfig(AutoscalerConfig):
-    """The `autoscale:` section: the policy's settings plus how replicas are run."""
-
-    scale_down_window_s: float = Field(default=60.0, ge=0)
-    tick_s: float = Field(default=0.5, gt=0)
-    replica_start_timeout_s: float = Field(default=300.0, gt=0)
-    restart_backoff_s: float = Field(default=1.0, ge=0)
-    max_restart_backoff_s: float = Field(default=30.0, ge=0)
-    drain_timeout_s: float = Field(default=60.0, gt=0)
-    canary_replicas: int = Field(default=1, ge=1)
 
 
 @dataclass(frozen=True)

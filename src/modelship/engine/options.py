@@ -1,0 +1,60 @@
+"""The engine options a user sets, defined once: `pipeline.yaml`'s `serve.engine` section,
+the `modelship serve` flags (their defaults are these) and the flags a replica is started
+with (`cli_args`). A leaf: pydantic only, so reading a config never imports torch.
+`to_engine_config` makes the engine's own `EngineConfig` (bytes, not MiB)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_prefill_chunk: int = Field(default=256, ge=1)
+    kv_cache_memory_mb: int = Field(default=512, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    max_waiting_requests: int = Field(default=1024, ge=0)
+    prefix_caching: bool = True
+
+    def to_engine_config(self):
+        from modelship.engine.config import EngineConfig
+
+        return EngineConfig(
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_chunk=self.max_prefill_chunk,
+            kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
+            block_size=self.block_size,
+            max_waiting_requests=self.max_waiting_requests,
+            enable_prefix_caching=self.prefix_caching,
+        )
+
+    def cli_args(self) -> list[str]:
+        """The same options as `modelship serve` flags (only those that differ from the
+        defaults are needed, but all are given: a replica's command line says it all)."""
+        args = ["--device", self.device]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        args += [
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-prefill-chunk", str(self.max_prefill_chunk),
+            "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
+            "--block-size", str(self.block_size),
+            "--max-waiting-requests", str(self.max_waiting_requests),
+            "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
+        ]  # fmt: skip
+        return args

@@ -1,0 +1,20 @@
+"""The `autoscale:` section of pipeline.yaml: a leaf (pydantic and the pure policy only),
+so reading a config never imports the supervisor's processes and HTTP clients."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from modelship.autoscale.policy import AutoscalerConfig
+
+
+class SupervisorConfig(AutoscalerConfig):
+    """The `autoscale:` section: the policy's settings plus how replicas are run."""
+
+    scale_down_window_s: float = Field(default=60.0, ge=0)
+    tick_s: float = Field(default=0.5, gt=0)
+    replica_start_timeout_s: float = Field(default=300.0, gt=0)
+    restart_backoff_s: float = Field(default=1.0, ge=0)
+    max_restart_backoff_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(default=60.0, gt=0)
+    canary_replicas: int = Field(default=1, ge=1)

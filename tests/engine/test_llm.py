@@ -241,3 +241,25 @@ def test_kernel_switches_refuse_unknown_values(field: str, value: str) -> None:
 
     with pytest.raises(ValueError, match=rf"{field} must be one of .*got '{value}'"):
         EngineConfig(**{field: value})
+
+
+def test_score_equals_transformers_and_needs_an_idle_engine(tiny_llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=16)
+    engine = llm.engine
+    sequences = [engine.tokenize(p) for p in PROMPTS[:3]] + [list(range(3, 40))]
+    llm.generate(PROMPTS[0], SamplingParams(max_tokens=1))  # a prefix cached: score erases it
+    scores = list(engine.score(sequences))  # 4 + 3 + 3 + 10 blocks: more than one batch
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    for ids, score in zip(sequences, scores, strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], dim=-1)
+        assert score.shape == expected.shape
+        torch.testing.assert_close(score, expected, atol=1e-4, rtol=0)
+    # the engine serves as before afterwards, cached prefix gone or not
+    assert llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0].outputs
+
+    engine.add_request("busy", PROMPTS[1], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.score(sequences)

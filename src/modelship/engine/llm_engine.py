@@ -10,6 +10,7 @@ they take its full blocks from the prefix cache instead of computing them again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,6 +201,27 @@ class LLMEngine:
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
         )
+
+    def score(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
+        """For each token sequence, [len - 1, vocab] float32 log-softmax of every next token,
+        computed with the kernels this engine serves with (select's quality measurement).
+        Only on an idle engine: the KV cache is scratch space meanwhile, so the prefix
+        cache is emptied first."""
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine; requests are running")
+        self.block_manager.reset_prefix_cache()
+        return self.runner.score(sequences)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers as they sit in memory (shared once)."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+        return total
 
     # Stepping ------------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:

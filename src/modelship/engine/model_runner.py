@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -132,3 +133,48 @@ class ModelRunner:
                 result[seq.request_id] = PromptLogprobs(start + 1, entries)
             row += num_new
         return result
+
+    # Scoring -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def score(
+        self, sequences: list[list[int]], max_batch_tokens: int = 4096
+    ) -> Iterator[torch.Tensor]:
+        """For each sequence, [len - 1, vocab] float32 log-softmax of every next token: a
+        teacher-forced pass with the serving kernels, no sampling. The KV cache is scratch
+        space here (blocks from 0 up): call only while no request holds blocks."""
+        num_blocks = self.kv_caches[0].kv.shape[0] // self.block_size
+        for batch in self._score_batches(sequences, num_blocks, max_batch_tokens):
+            query_lens = [len(s) for s in batch]
+            tables, next_block = [], 0
+            for length in query_lens:
+                count = -(-length // self.block_size)
+                tables.append(list(range(next_block, next_block + count)))
+                next_block += count
+            metadata = AttentionMetadata.build(
+                query_lens, query_lens, tables, self.block_size, self.device, self.attention_backend
+            )
+            ids = torch.tensor([t for s in batch for t in s], device=self.device)
+            positions = torch.tensor([p for s in batch for p in range(len(s))], device=self.device)
+            hidden = self.model(ids, positions, self.kv_caches, metadata)
+            start = 0
+            for length in query_lens:
+                rows = hidden[start : start + length - 1]
+                yield torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                start += length
+
+    def _score_batches(
+        self, sequences: list[list[int]], num_blocks: int, max_batch_tokens: int
+    ) -> Iterator[list[list[int]]]:
+        batch: list[list[int]] = []
+        blocks = 0
+        for seq in sequences:
+            need = -(-len(seq) // self.block_size)
+            if need > num_blocks:
+                raise ValueError(f"a {len(seq)}-token sequence does not fit the KV cache")
+            if blocks + need > num_blocks or sum(map(len, batch)) + len(seq) > max_batch_tokens:
+                yield batch
+                batch, blocks = [], 0
+            batch.append(seq)
+            blocks += need
+        if batch:
+            yield batch

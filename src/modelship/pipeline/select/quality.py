@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine
-from modelship.model.attention import AttentionMetadata
 
 TASKS_PATH = Path(__file__).with_name("tasks.jsonl")
 
@@ -53,7 +52,7 @@ def load_tasks(path: Path = TASKS_PATH) -> list[TaskItem]:
 
 
 class Scorer:
-    """A variant loaded in our engine, scoring packed token sequences with no sampling."""
+    """A variant loaded in our engine, scoring token sequences with no sampling."""
 
     def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
         self.engine = LLMEngine(
@@ -61,58 +60,13 @@ class Scorer:
             EngineConfig(max_model_len=max_model_len, kv_cache_memory_bytes=64 * 1024**2),
         )
         self.tokenizer = self.engine.tokenizer
-        self.block_size = self.engine.config.block_size
-        self.num_blocks = self.engine.block_manager.num_blocks
 
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters and buffers as they sit in memory (shared once)."""
-        seen: set[int] = set()
-        total = 0
-        model = self.engine.model
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-        return total
+        return self.engine.weight_bytes()
 
-    @torch.inference_mode()
     def logprobs(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
         """For each sequence, [len - 1, vocab] float32 log-softmax of the next token."""
-        for batch in self._batches(sequences):
-            query_lens = [len(s) for s in batch]
-            tables, next_block = [], 0
-            for length in query_lens:
-                count = -(-length // self.block_size)
-                tables.append(list(range(next_block, next_block + count)))
-                next_block += count
-            device = self.engine.config.torch_device
-            metadata = AttentionMetadata.build(
-                query_lens, query_lens, tables, self.block_size, device
-            )
-            ids = torch.tensor([t for s in batch for t in s], device=device)
-            positions = torch.tensor([p for s in batch for p in range(len(s))], device=device)
-            hidden = self.engine.model(ids, positions, self.engine.kv_caches, metadata)
-            start = 0
-            for length in query_lens:
-                rows = hidden[start : start + length - 1]
-                yield torch.log_softmax(self.engine.model.compute_logits(rows).float(), dim=-1)
-                start += length
-
-    def _batches(self, sequences: list[list[int]]) -> Iterator[list[list[int]]]:
-        batch: list[list[int]] = []
-        blocks = 0
-        for seq in sequences:
-            need = -(-len(seq) // self.block_size)
-            if need > self.num_blocks:
-                raise ValueError(f"a {len(seq)}-token sequence does not fit the scoring cache")
-            if blocks + need > self.num_blocks or sum(map(len, batch)) + len(seq) > 4096:
-                yield batch
-                batch, blocks = [], 0
-            batch.append(seq)
-            blocks += need
-        if batch:
-            yield batch
+        return self.engine.score(sequences)
 
 
 @dataclass

@@ -4,8 +4,8 @@ The same temperature-0 request must give the same tokens alone, inside a batch o
 its prompt's blocks are in the prefix cache, and streamed or not through the server. That
 holds because every kernel on the CPU serving path computes a row the same way whatever
 else is in the step (W4A8 linears, the int8 head, the paged-attention kernel, one RMSNorm
-path); see docs/performance.md. The demo model is quantized here with llm-compressor's
-round-to-nearest W4A16 at group size 64 (seconds), the layout the optimize stage writes.
+path, the fused decoder op); see docs/performance.md. The demo model is quantized with
+llm-compressor's round-to-nearest W4A16 at group size 64 (`demo_int4_dir` in conftest).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from modelship.engine import LLM, SamplingParams
 from modelship.model import cpu_kernels
@@ -46,29 +45,6 @@ def tokens_and_logprobs(output) -> list[tuple[int, float]]:
     return [
         (t, lp.logprob) for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)
     ]
-
-
-@pytest.fixture(scope="module")
-def demo_int4_dir(demo_model_dir: Path, tmp_path_factory) -> Path:
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32)
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}
-    modifier = QuantizationModifier(
-        targets="Linear",
-        ignore=["lm_head"],
-        config_groups={"g": {"targets": ["Linear"], "weights": weights | {"symmetric": True}}},
-    )
-    oneshot(model=model, recipe=[modifier])
-    out = tmp_path_factory.mktemp("demo-int4")
-    model.save_pretrained(out, save_compressed=True)
-    AutoTokenizer.from_pretrained(demo_model_dir).save_pretrained(out)
-    for name in ("generation_config.json",):
-        if (demo_model_dir / name).exists():
-            (out / name).write_bytes((demo_model_dir / name).read_bytes())
-    return out
 
 
 def test_greedy_is_the_same_alone_in_a_batch_and_cached(demo_int4_dir: Path) -> None:

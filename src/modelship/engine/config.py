@@ -49,6 +49,9 @@ class EngineConfig:
     # attention: "auto" (modelship's CPU kernel on an AVX2 CPU with an fp32 cache: batch-
     # and chunk-invariant, so greedy output is repeatable), "cpu" or "sdpa"
     attention_backend: str = "auto"
+    # run all decoder layers in one C++ call on CPU-kernel steps where the model allows it
+    # (W4A8 projections, no q/k norm; `model.fused_decoder`), else layer by layer in Python
+    fused_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -65,6 +65,7 @@ class LLMEngine:
             max_positions=self.max_model_len,
             int4_kernel=self.config.int4_kernel,
             lm_head=self.config.lm_head,
+            fused_decoder=self.config.fused_decoder,
         )
         self.tokenizer = load_tokenizer(self.model_path)
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)

@@ -38,6 +38,10 @@ class CausalLM(nn.Module):
         """Switch logits to an int8 copy of the output head; False: not possible here."""
         return False
 
+    def use_fused_decoder(self) -> bool:
+        """Run the decoder layers in one fused CPU call where possible; False: not here."""
+        return False
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32. Does not modify anything."""
         raise NotImplementedError

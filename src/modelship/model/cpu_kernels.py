@@ -3,17 +3,22 @@
 - `q4_linear` (W4A8) and `q8_linear` (W8A8): `csrc/q4_cpu.cpp`, used by `quant.int4` and
   `quant.int8`;
 - `rope_paged_attention` (used by `llama.py`) and `paged_attention` (used by
-  `attention.py`): `csrc/attention_cpu.cpp`.
+  `attention.py`): `csrc/attention_cpu.cpp`;
+- `decoder_layers` (used by `fused_decoder.py`): every decoder layer in one call,
+  `csrc/decoder_cpu.cpp`, on the other two files' kernels (`csrc/cpu_kernels.h`).
 
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
-kernels. The build is a torch C++ extension compiled with ninja
-into torch's extension cache (`TORCH_EXTENSIONS_DIR`), keyed on the source, so a machine
-compiles it once (`make setup` does it ahead of time) and later loads take milliseconds.
+kernels. The build is a torch C++ extension compiled with ninja into torch's extension
+cache (`TORCH_EXTENSIONS_DIR`) under a name that carries a digest of the sources and flags,
+so a machine compiles each version once (`make setup` does it ahead of time), later loads
+take milliseconds, and checkouts of different versions sharing the cache do not rebuild
+over each other's library.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -22,11 +27,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_NAME = "modelship_q4_cpu"
+_NAME = "modelship_cpu_kernels"
 # A build takes ~1-2 minutes here; a lock this old was left by a builder that was killed,
 # and torch would wait on it forever (every replica start would hang).
 _STALE_LOCK_S = 15 * 60
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("q4_cpu.cpp", "attention_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("q4_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp")]
+_HEADERS = [_CSRC / "cpu_kernels.h"]
 # -ffp-contract=off: GCC would otherwise fuse a scalar `a += b * c` into an FMA in some
 # template instances and not in others, and a row would round differently depending on
 # which tile shape computed it (batch invariance needs one rounding per row).
@@ -47,9 +54,10 @@ def load() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        _remove_stale_lock(Path(cpp_extension._get_build_directory(_NAME, False)))
+        name = _build_name()
+        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, False)))
         cpp_extension.load(
-            name=_NAME,
+            name=name,
             sources=[str(path) for path in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -60,6 +68,15 @@ def load() -> bool:
         logger.warning("modelship CPU kernels unavailable (%s); using torch's int4 kernel", exc)
         return False
     return True
+
+
+def _build_name() -> str:
+    """`_NAME` plus a digest of what goes into the build (torch's own check is per process,
+    and one build directory per name would be relinked by whichever version loads last)."""
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    for path in [*_SOURCES, *_HEADERS]:
+        digest.update(path.read_bytes())
+    return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
 def _remove_stale_lock(build_dir: Path) -> None:

@@ -5,8 +5,10 @@ GQA, tied embeddings.
 Tokens of all scheduled requests are flattened into one batch ([num_tokens, hidden]); the
 only per-request work is attention, which reads the paged KV cache (`attention.py`).
 q/k/v and gate/up are fused into one projection each at load time, so a layer runs four
-matmuls. Sliding-window attention (Mistral v0.1) is not implemented: such models are
-exact only up to their window.
+matmuls. On CPU-kernel steps with W4A8 projections all layers run in one C++ call
+(`fused_decoder.py`); `DecoderLayer.forward` is the path for everything else.
+Sliding-window attention (Mistral v0.1) is not implemented: such models are exact only up
+to their window.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from modelship.model import cpu_kernels
 from modelship.model.attention import AttentionMetadata, paged_attention
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
+from modelship.model.fused_decoder import FusedDecoder, can_fuse
 from modelship.model.kv_cache import KVCache
 from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope_
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
@@ -125,6 +128,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if config.tie_word_embeddings else linear(["lm_head"], False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
         self.int8_head: W8A8Linear | None = None  # set by `use_int8_head`
+        self.fused_decoder: FusedDecoder | None = None  # set by `use_fused_decoder`
 
     def use_int8_head(self) -> bool:
         """Compute logits with an int8 copy of the (dense) output head; False where the
@@ -136,6 +140,14 @@ class LlamaForCausalLM(CausalLM):
         if not int8_head_supports(weight.shape[1]) or (head is not None and head.bias is not None):
             return False
         self.int8_head = W8A8Linear.from_dense(weight)
+        return True
+
+    def use_fused_decoder(self) -> bool:
+        """Run all layers in one C++ call on CPU-kernel steps; False where some layer is not
+        fusable (see `fused_decoder.can_fuse`)."""
+        if not all(can_fuse(layer) for layer in self.layers):
+            return False
+        self.fused_decoder = FusedDecoder(list(self.layers), self.norm)
         return True
 
     @property
@@ -152,6 +164,8 @@ class LlamaForCausalLM(CausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
         if attn_metadata.block_table is not None:  # the CPU kernel indexes the fp32 tables
             cos, sin = self.rotary.cos, self.rotary.sin
+            if self.fused_decoder is not None:
+                return self.fused_decoder(hidden, kv_caches, cos, sin, attn_metadata)
         else:
             cos, sin = self.rotary.tables(positions, hidden.dtype)
         residual = None

@@ -86,6 +86,7 @@ def load_model(
     max_positions: int | None = None,
     int4_kernel: str = "auto",
     lm_head: str = "auto",
+    fused_decoder: bool = True,
 ) -> CausalLM:
     """Build the model for `model_dir/config.json` and fill it from its safetensors.
 
@@ -96,6 +97,8 @@ def load_model(
     `int4_kernel` picks the CPU int4 kernel (auto, w4a8, torch). `lm_head` "int8" computes
     logits with an int8 copy of the output head (CPU, AVX2), "dense" with the checkpoint's
     weights, "auto" int8 for quantized checkpoints on a CPU with bf16 compute.
+    `fused_decoder` runs all decoder layers in one C++ call on CPU-kernel steps where the
+    model allows it (W4A8 projections; see `fused_decoder.py`), else layer by layer.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
@@ -133,6 +136,8 @@ def load_model(
         for module in model.modules():  # derived tensors, now that the weights are final
             if hasattr(module, "finish_loading"):
                 module.finish_loading()
+    if fused_decoder and device.type == "cpu":
+        model.use_fused_decoder()
     wants_int8_head = _wants_int8_head(lm_head, config, device, dtype)
     if wants_int8_head and not model.use_int8_head() and lm_head == "int8":
         raise ValueError(

@@ -21,40 +21,15 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace {
+
+using modelship::exp8;
+using modelship::hsum;
 
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;  // query heads per KV head
-
-// exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
-// (relative error ~2e-7); inputs below -87 give 0 (the softmax only feeds it x <= 0).
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  return _mm256_andnot_ps(is_tiny, result);
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 inline float dot(const float* a, const float* b, int D) {
   __m256 acc = _mm256_setzero_ps();
@@ -64,47 +39,93 @@ inline float dot(const float* a, const float* b, int D) {
   return hsum(acc);
 }
 
-}  // namespace
+void check_shapes(int64_t H, int64_t KVH, int64_t D) {
+  TORCH_CHECK(D % 8 == 0 && D <= kMaxHeadDim, "head_dim: a multiple of 8, <= 256");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per KV head: at most 16");
+}
 
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
-                              const torch::Tensor& block_table, const torch::Tensor& token_req,
-                              const torch::Tensor& token_pos, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
-              "q: contiguous fp32 [T, H, D]");
-  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat &&
-                  kv.size(1) == 2,
-              "kv: contiguous fp32 [slots, 2, KVH, D]");
+modelship::PagedStep paged_step(const torch::Tensor& slot_mapping,
+                                const torch::Tensor& block_table, const torch::Tensor& token_req,
+                                const torch::Tensor& token_pos, int64_t block_size) {
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() &&
                   block_table.dim() == 2,
               "block_table: int32 [R, W]");
-  TORCH_CHECK(token_req.scalar_type() == at::kInt && token_pos.scalar_type() == at::kInt,
-              "token_req and token_pos: int32");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(2);
-  TORCH_CHECK(kv.size(3) == D && D % 8 == 0 && D <= kMaxHeadDim, "head_dim: a multiple of 8, <= 256");
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per KV head: at most 16");
-  TORCH_CHECK(token_req.numel() == T && token_pos.numel() == T, "one request and position per token");
-  const int64_t group = H / KVH, width = block_table.size(1);
-  const int64_t num_slots = kv.size(0);
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kvp = kv.data_ptr<float>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* req = token_req.data_ptr<int32_t>();
-  const int32_t* pos = token_pos.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  // Validate every index once, before any thread reads through them (no throwing inside
-  // the parallel region).
-  TORCH_CHECK(block_size >= 1 && num_slots % block_size == 0, "num_slots: whole blocks");
-  const int64_t num_blocks = num_slots / block_size;
-  for (int64_t i = 0; i < block_table.numel(); ++i) {
-    TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block id out of range");
+  TORCH_CHECK(token_req.scalar_type() == at::kInt && token_pos.scalar_type() == at::kInt &&
+                  token_req.is_contiguous() && token_pos.is_contiguous(),
+              "token_req and token_pos: contiguous int32");
+  const int64_t T = token_pos.numel();
+  TORCH_CHECK(token_req.numel() == T, "one request and position per token");
+  const int64_t* slots = nullptr;
+  if (slot_mapping.defined()) {
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == T,
+                "slot_mapping: contiguous int64, one slot per token");
+    slots = slot_mapping.data_ptr<int64_t>();
   }
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(req[t] >= 0 && req[t] < block_table.size(0), "token_req out of range");
-    TORCH_CHECK(pos[t] >= 0 && pos[t] / block_size < width, "token_pos beyond the block table");
+  return {T,
+          slots,
+          block_table.data_ptr<int32_t>(),
+          block_table.size(0),
+          block_table.size(1),
+          token_req.data_ptr<int32_t>(),
+          token_pos.data_ptr<int32_t>(),
+          block_size};
+}
+
+}  // namespace
+
+namespace modelship {
+
+void check_paged_step(const PagedStep& step, int64_t num_slots) {
+  TORCH_CHECK(step.block_size >= 1 && num_slots % step.block_size == 0,
+              "num_slots: whole blocks");
+  const int64_t num_blocks = num_slots / step.block_size;
+  for (int64_t i = 0; i < step.num_requests * step.width; ++i) {
+    TORCH_CHECK(step.block_table[i] >= 0 && step.block_table[i] < num_blocks,
+                "block id out of range");
   }
-  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t t = 0; t < step.num_tokens; ++t) {
+    TORCH_CHECK(step.token_req[t] >= 0 && step.token_req[t] < step.num_requests,
+                "token_req out of range");
+    TORCH_CHECK(step.token_pos[t] >= 0 && step.token_pos[t] / step.block_size < step.width,
+                "token_pos beyond the block table");
+    TORCH_CHECK(step.slot_mapping == nullptr ||
+                    (step.slot_mapping[t] >= 0 && step.slot_mapping[t] < num_slots),
+                "slot_mapping out of range");
+  }
+}
+
+void rope_write_kv(const float* qkv, const PagedStep& step, const float* cos, const float* sin,
+                   int64_t H, int64_t KVH, int64_t D, float* q, float* kv) {
+  const int64_t width = (H + 2 * KVH) * D, half = D / 2;
+  const int64_t* slots = step.slot_mapping;
+  const int32_t* pos = step.token_pos;
+  at::parallel_for(0, step.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = qkv + t * width;
+      const float* c = cos + pos[t] * D;
+      const float* sn = sin + pos[t] * D;
+      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: rotated
+        const float* x = row + h * D;
+        float* dst = h < H ? q + (t * H + h) * D : kv + ((slots[t] * 2 + 0) * KVH + (h - H)) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * c[d] + x[(d + half) % D] * sn[d];
+      }
+      for (int64_t h = 0; h < KVH; ++h) {  // v heads: copied
+        float* dst = kv + ((slots[t] * 2 + 1) * KVH + h) * D;
+        const float* x = row + (H + KVH + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+      }
+    }
+  });
+}
+
+void paged_attention_rows(const float* qp, const float* kvp, const PagedStep& step, int64_t H,
+                          int64_t KVH, int64_t D, float scale, float* op) {
+  const int64_t group = H / KVH, width = step.width, block_size = step.block_size;
+  const int32_t* table = step.block_table;
+  const int32_t* req = step.token_req;
+  const int32_t* pos = step.token_pos;
+  at::parallel_for(0, step.num_tokens * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(block_size + 8);
     alignas(32) float acc[kMaxGroup][kMaxHeadDim];
     float run_max[kMaxGroup], run_sum[kMaxGroup];
@@ -125,7 +146,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < n; ++j) {
             const float* k = kvp + ((base_slot + j) * 2 * KVH + h_kv) * D;
-            scores[j] = dot(qv, k, D) * fscale;
+            scores[j] = dot(qv, k, D) * scale;
             block_max = std::max(block_max, scores[j]);
           }
           const float new_max = std::max(run_max[g], block_max);
@@ -170,6 +191,27 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
       }
     }
   });
+}
+
+}  // namespace modelship
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
+                              const torch::Tensor& block_table, const torch::Tensor& token_req,
+                              const torch::Tensor& token_pos, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "q: contiguous fp32 [T, H, D]");
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat &&
+                  kv.size(1) == 2,
+              "kv: contiguous fp32 [slots, 2, KVH, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(2);
+  TORCH_CHECK(kv.size(3) == D, "q and kv: the same head_dim");
+  check_shapes(H, KVH, D);
+  const auto step = paged_step(torch::Tensor(), block_table, token_req, token_pos, block_size);
+  TORCH_CHECK(step.num_tokens == T, "one request and position per token");
+  modelship::check_paged_step(step, kv.size(0));
+  auto out = torch::empty_like(q);
+  modelship::paged_attention_rows(q.data_ptr<float>(), kv.data_ptr<float>(), step, H, KVH, D,
+                                  static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
@@ -193,55 +235,25 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
               "cos and sin: contiguous fp32 [max_positions, D]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && token_pos.scalar_type() == at::kInt,
-              "slot_mapping int64, token_pos int32");
   const int64_t T = qkv.size(0), KVH = kv.size(2), D = kv.size(3), H = num_heads;
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv width must be (H + 2 KVH) * D");
-  TORCH_CHECK(cos.size(1) == D && D % 2 == 0, "cos/sin width must be head_dim");
-  TORCH_CHECK(slot_mapping.numel() == T && token_pos.numel() == T, "one slot and position per token");
-  const int64_t num_slots = kv.size(0), max_pos = cos.size(0), half = D / 2;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int32_t* pos = token_pos.data_ptr<int32_t>();
+  TORCH_CHECK(cos.size(1) == D, "cos/sin width must be head_dim");
+  check_shapes(H, KVH, D);
+  const auto step = paged_step(slot_mapping, block_table, token_req, token_pos, block_size);
+  TORCH_CHECK(step.num_tokens == T, "one slot, request and position per token");
+  modelship::check_paged_step(step, kv.size(0));
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping out of range");
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position beyond the RoPE tables");
+    TORCH_CHECK(step.token_pos[t] < cos.size(0), "position beyond the RoPE tables");
   }
+  const auto qkv_f32 = qkv.to(at::kFloat);  // a no-op for fp32
   auto q = torch::empty({T, H, D}, qkv.options().dtype(at::kFloat));
-  const bool is_bf16 = qkv.scalar_type() == at::kBFloat16;
-  const int64_t width = qkv.size(1);
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  float* q_p = q.data_ptr<float>();
-  float* kv_p = kv.data_ptr<float>();
-  const auto* qkv_bf16 = is_bf16 ? reinterpret_cast<const c10::BFloat16*>(qkv.data_ptr()) : nullptr;
-  const float* qkv_f32 = is_bf16 ? nullptr : qkv.data_ptr<float>();
-  auto read = [&](int64_t t, int64_t i) -> float {  // qkv[t, i] as fp32
-    const int64_t at = t * width + i;
-    return qkv_bf16 ? static_cast<float>(qkv_bf16[at]) : qkv_f32[at];
-  };
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos_p + pos[t] * D;
-      const float* sn = sin_p + pos[t] * D;
-      for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: rotated
-        const int64_t base = h * D;
-        float* dst = h < H ? q_p + (t * H + h) * D
-                           : kv_p + ((slots[t] * 2 + 0) * KVH + (h - H)) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float x = read(t, base + d);
-          const float rolled = read(t, base + (d + half) % D);
-          dst[d] = x * c[d] + rolled * sn[d];
-        }
-      }
-      for (int64_t h = 0; h < KVH; ++h) {  // v heads: copied
-        float* dst = kv_p + ((slots[t] * 2 + 1) * KVH + h) * D;
-        const int64_t base = (H + KVH + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = read(t, base + d);
-      }
-    }
-  });
-  auto out = paged_attention(q, kv, block_table, token_req, token_pos, block_size, scale);
-  return out.view({T, H * D}).to(qkv.scalar_type());
+  auto out = torch::empty({T, H * D}, qkv.options().dtype(at::kFloat));
+  modelship::rope_write_kv(qkv_f32.data_ptr<float>(), step, cos.data_ptr<float>(),
+                           sin.data_ptr<float>(), H, KVH, D, q.data_ptr<float>(),
+                           kv.data_ptr<float>());
+  modelship::paged_attention_rows(q.data_ptr<float>(), kv.data_ptr<float>(), step, H, KVH, D,
+                                  static_cast<float>(scale), out.data_ptr<float>());
+  return out.to(qkv.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(modelship, m) {

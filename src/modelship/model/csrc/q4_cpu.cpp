@@ -27,32 +27,10 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "cpu_kernels.h"
 
-constexpr int64_t kChunk = 64;   // columns per 32 packed bytes
-constexpr int kRowTile = 4;  // activation rows sharing one unpacked weight chunk
+namespace modelship {
 
-struct QuantizedActivations {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> d;      // [M, K / G]: one scale per row and weight group
-  std::vector<float> qsum;   // [M, K / G]: d * sum(q) over the group
-};
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-// One row of x (K floats) -> int8 per group of G columns, x ~= q * d.
 void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d, float* qsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / G; ++g) {
@@ -77,6 +55,17 @@ void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d, flo
     qsum[g] = scale * hsum(_mm256_cvtepi32_ps(total));
   }
 }
+
+}  // namespace modelship
+
+namespace {
+
+using modelship::hsum;
+using modelship::QuantizedActivations;
+using modelship::quantize_row;
+
+constexpr int64_t kChunk = 64;   // columns per 32 packed bytes
+constexpr int kRowTile = 4;  // activation rows sharing one unpacked weight chunk
 
 QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -252,6 +241,11 @@ void q8_rows(const QuantizedActivations& a, const int8_t* qweight, const float* 
 }
 
 }  // namespace
+
+void modelship::q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M,
+                          float* out) {
+  q4_rows<float>(a, w.qweight, w.scales, w.mins, M, w.N, w.K, w.G, out);
+}
 
 // x [M, K] (bf16 or fp32, contiguous) -> [M, N] in x's dtype.
 torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& qweight,

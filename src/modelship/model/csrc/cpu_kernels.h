@@ -1,0 +1,104 @@
+// What the CPU kernels share across files: vector helpers, the W4A8 matmul on quantized
+// activations, and the RoPE / K/V-write / paged-attention steps on raw pointers. The torch
+// ops (`q4_cpu.cpp`, `attention_cpu.cpp`) and the fused decoder (`decoder_cpu.cpp`) are thin
+// callers of these. Needs AVX2 + FMA + F16C.
+
+#pragma once
+
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace modelship {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
+// (relative error ~2e-7). Inputs below -87 give 0; inputs must stay at or below 88.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(is_tiny, result);
+}
+
+// Activations quantized per row and weight group for the W4A8 / W8A8 kernels: row m of a
+// K-wide input is q[m * K ..], d[m * K / G ..], qsum[m * K / G ..] (rows packed at the
+// stride of the matmul that reads them).
+struct QuantizedActivations {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> d;      // [M, K / G]: one scale per row and weight group
+  std::vector<float> qsum;   // [M, K / G]: d * sum(q) over the group
+};
+
+// One row of x (K floats) -> int8 per group of G columns, x ~= q * d (symmetric, round to
+// nearest).
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d, float* qsum);
+
+// A 4-bit weight in `pack_q4`'s layout (see q4_cpu.cpp): W[n, k] = u * scale + min.
+struct Q4Weight {
+  const uint8_t* qweight;    // [N, K / 2]
+  const c10::Half* scales;   // [N, K / G]
+  const c10::Half* mins;     // [N, K / G]
+  int64_t N, K, G;
+};
+
+// out [M, N] fp32 = x W^T for M rows of `a` quantized at w.K / w.G. Parallel over N; each
+// output is reduced in one fixed order whatever M is.
+void q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M, float* out);
+
+// Where a step's tokens sit in the paged KV cache [num_slots, 2, KVH, D].
+struct PagedStep {
+  int64_t num_tokens;
+  const int64_t* slot_mapping;  // [T]: where each token's k and v are written
+  const int32_t* block_table;   // [R, width]: physical blocks of each request
+  int64_t num_requests, width;
+  const int32_t* token_req;     // [T]: each token's request
+  const int32_t* token_pos;     // [T]: each token's position (attends 0 .. pos)
+  int64_t block_size;
+};
+
+// TORCH_CHECKs every index (block ids, requests, positions, slots if given) once, before
+// any thread reads through them.
+void check_paged_step(const PagedStep& step, int64_t num_slots);
+
+// RoPE on the q and k heads of qkv [T, (H + 2 KVH) D] (fp32, HF's rotate-half layout, sin
+// with the sign folded in, tables [max_positions, D]); rotated q -> q [T, H, D], rotated k
+// and v -> kv at each token's slot.
+void rope_write_kv(const float* qkv, const PagedStep& step, const float* cos, const float* sin,
+                   int64_t H, int64_t KVH, int64_t D, float* q, float* kv);
+
+// out [T, H, D] = each query's attention over its request's positions 0 .. pos, read
+// block by block in position order (online softmax). kv [num_slots, 2, KVH, D].
+void paged_attention_rows(const float* q, const float* kv, const PagedStep& step, int64_t H,
+                          int64_t KVH, int64_t D, float scale, float* out);
+
+}  // namespace modelship

@@ -1,0 +1,91 @@
+"""Every decoder layer of a Llama-family model in one C++ call (`csrc/decoder_cpu.cpp`).
+
+On the CPU serving path a layer is four W4A8 matmuls and the attention kernel, glued by
+~35 small torch ops (norms, residual adds, casts, SiLU * up) that cost as much as the
+kernels at batch 1. The fused op runs the glue as loops over rows in C++, with the
+residual stream in fp32 from the embedding to the final norm. Rows stay independent of
+each other (deterministic greedy decoding, as on the unfused path).
+
+Taken for steps on the CPU attention kernel (`AttentionMetadata.block_table` set) when
+every projection is a `W4A8Linear` and the layers have no q/k norm; everything else runs
+`DecoderLayer.forward`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from modelship.model.attention import AttentionMetadata
+from modelship.model.kv_cache import KVCache
+from modelship.model.quant.int4 import W4A8Linear
+
+if TYPE_CHECKING:
+    from modelship.model.layers import RMSNorm
+    from modelship.model.llama import DecoderLayer
+
+
+def can_fuse(layer: DecoderLayer) -> bool:
+    """Whether the fused op computes this layer: W4A8 projections (a bias only on q/k/v),
+    no per-head q/k norm."""
+    projections = (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return (
+        not layer.qk_norm
+        and all(isinstance(p, W4A8Linear) for p in projections)
+        and all(p.bias is None for p in projections[1:])
+    )
+
+
+class FusedDecoder:
+    """The decoder layers' weights gathered once, in the op's order; callable per step.
+
+    Holds references to the projections' packed buffers (no copies) and fp32 copies of the
+    norm weights and q/k/v bias.
+    """
+
+    def __init__(self, layers: list[DecoderLayer], final_norm: RMSNorm) -> None:
+        if not layers or not all(can_fuse(layer) for layer in layers):
+            raise ValueError("every layer must pass can_fuse")
+        self.weights: list[torch.Tensor] = []
+        for layer in layers:
+            qkv, o = layer.qkv_proj, layer.o_proj
+            gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+            bias = torch.empty(0) if qkv.bias is None else qkv.bias.float().contiguous()
+            self.weights += [  # `LayerTensor` order in decoder_cpu.cpp
+                layer.input_layernorm.weight.float().contiguous(),
+                *(qkv.qweight, qkv.scales, qkv.mins, bias),
+                *(o.qweight, o.scales, o.mins),
+                layer.post_attention_layernorm.weight.float().contiguous(),
+                *(gate_up.qweight, gate_up.scales, gate_up.mins),
+                *(down.qweight, down.scales, down.mins),
+            ]
+        self.final_norm = final_norm.weight.float().contiguous()
+        self.eps = final_norm.eps
+        self.num_heads = layers[0].num_heads
+        self.scale = layers[0].scale
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the step's embeddings
+        kv_caches: list[KVCache],  # fp32, one per layer: this step's K/V are written here
+        cos: torch.Tensor,  # [max_positions, head_dim] fp32
+        sin: torch.Tensor,  # [max_positions, head_dim] fp32, rotate-half sign folded in
+        meta: AttentionMetadata,  # built for the "cpu" backend
+    ) -> torch.Tensor:  # [num_tokens, hidden] in hidden's dtype, after the final norm
+        return torch.ops.modelship.decoder_layers(
+            hidden.contiguous(),
+            self.weights,
+            self.final_norm,
+            [cache.kv for cache in kv_caches],
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.block_table,
+            meta.token_request,
+            meta.token_position,
+            meta.block_size,
+            self.num_heads,
+            self.eps,
+            self.scale,
+        )

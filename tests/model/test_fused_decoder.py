@@ -1,0 +1,217 @@
+"""The fused decoder op (`csrc/decoder_cpu.cpp`) against the unfused Python path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
+from modelship.model.config import ModelConfig
+from modelship.model.layers import RMSNorm
+from modelship.model.llama import LlamaForCausalLM
+from modelship.model.quant.int4 import W4A8Linear
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
+
+BLOCK = 16
+VOCAB = 512
+
+
+def demo_shaped_model(
+    num_layers: int = 2, qkv_bias: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> LlamaForCausalLM:
+    """SmolLM2-135M's layer shapes (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536) with
+    random int4 weights at group size 64, norms and embeddings in `dtype`."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=num_layers,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qkv_bias=qkv_bias,
+        qk_norm=False,
+        checkpoint_dtype=dtype,
+        eos_token_ids=(0,),
+        quantization_config=None,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    widths = {  # output width, input width of each checkpoint projection
+        "q_proj": (576, 576),
+        "k_proj": (192, 576),
+        "v_proj": (192, 576),
+        "o_proj": (576, 576),
+        "gate_proj": (1536, 576),
+        "up_proj": (1536, 576),
+        "down_proj": (576, 1536),
+    }
+
+    def linear(prefixes: list[str], bias: bool) -> nn.Module:
+        out_features = sum(widths[p.rsplit(".", 1)[1]][0] for p in prefixes)
+        in_features = widths[prefixes[0].rsplit(".", 1)[1]][1]
+        groups = in_features // 64
+        u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+        # weights of about unit gain: std(u - 8) ~ 4.6
+        scale = (torch.rand(out_features, groups, generator=gen) + 0.5) / (4.6 * in_features**0.5)
+        zero_point = torch.randint(-2, 3, (out_features, groups), generator=gen, dtype=torch.int32)
+        b = 0.1 * torch.randn(out_features, generator=gen).to(dtype) if bias else None
+        return W4A8Linear.from_unpacked(u, scale, zero_point, 64, b)
+
+    model = LlamaForCausalLM(config, linear, max_positions=256, device=torch.device("cpu"))
+    embed = torch.randn(VOCAB, 576, generator=gen).to(dtype)
+    model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            weight = 1 + 0.2 * torch.randn(module.size, generator=gen)
+            module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+            module.finish_loading()
+    model.use_int8_head()
+    return model
+
+
+def run(model, steps, fused: bool, num_blocks: int = 32) -> tuple[list[torch.Tensor], list]:
+    """steps[s] = [(block table, token ids, start position)]: each step's final hidden
+    states [num_tokens, hidden], and the KV caches afterwards."""
+    if fused:
+        assert model.use_fused_decoder()
+    else:
+        model.fused_decoder = None
+    caches = allocate_kv_cache(model.config, num_blocks, BLOCK, torch.float32, "cpu")
+    outputs = []
+    for step in steps:
+        ids = torch.cat([s[1] for s in step])
+        positions = torch.cat([torch.arange(s[2], s[2] + len(s[1])) for s in step])
+        meta = AttentionMetadata.build(
+            [len(s[1]) for s in step],
+            [s[2] + len(s[1]) for s in step],
+            [s[0] for s in step],
+            BLOCK,
+            "cpu",
+            "cpu",
+        )
+        with torch.inference_mode():
+            outputs.append(model(ids, positions, caches, meta))
+    return outputs, caches
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)
+TABLE_A, TABLE_B, TABLE_C = [3, 0, 7], [1, 4], [9]
+# prefill, then a mixed step (a decode, a whole prompt, a prefill chunk), then decodes
+MIXED_STEPS = [
+    [(TABLE_A, A[:30], 0)],
+    [(TABLE_A, A[30:31], 30), (TABLE_C, C, 0), (TABLE_B, B[:17], 0)],
+    [(TABLE_B, B[17:23], 17), (TABLE_A, A[31:32], 31), (TABLE_C, C[:1] + 1, 5)],
+    [(TABLE_A, A[32:33], 32), (TABLE_B, B[:1], 23)],
+]
+
+
+def row_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Relative error of each row [num_tokens]."""
+    return (actual.float() - expected).norm(dim=-1) / expected.norm(dim=-1)
+
+
+# Both paths quantize each projection's input to int8 per group of 64. Their fp32 norms
+# differ in the last bit (summation order), which now and then moves a value across an
+# int8 rounding boundary: that row then differs by one int8 step (~1e-3 relative), and the
+# difference spreads to later rows and layers through attention and the next quantization.
+ONE_INT8_STEP = 1e-2
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_one_fused_layer_matches_the_unfused_path(qkv_bias: bool) -> None:
+    model = demo_shaped_model(num_layers=1, qkv_bias=qkv_bias)  # fp32 activations on both
+    expected, expected_caches = run(model, MIXED_STEPS, fused=False)
+    actual, actual_caches = run(model, MIXED_STEPS, fused=True)
+    errors = []
+    for e, a in zip(expected, actual, strict=True):
+        assert a.dtype == torch.float32 and a.shape == e.shape
+        errors.append(row_errors(a, e))
+    errors = torch.cat(errors)
+    assert errors.max() < ONE_INT8_STEP
+    assert (errors < 1e-5).float().mean() >= 0.8  # rows where no int8 rounding flipped
+    # q/k/v read the same norm of the same embeddings: the caches agree to fp32 rounding
+    torch.testing.assert_close(actual_caches[0].kv, expected_caches[0].kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_fused_layers_match_the_unfused_path_within_int8_noise(qkv_bias: bool) -> None:
+    model = demo_shaped_model(num_layers=3, qkv_bias=qkv_bias)
+    expected, _ = run(model, MIXED_STEPS, fused=False)
+    actual, _ = run(model, MIXED_STEPS, fused=True)
+    for e, a in zip(expected, actual, strict=True):  # a few steps' worth, spread out
+        assert row_errors(a, e).max() < 3 * ONE_INT8_STEP
+        assert (a - e).norm() < ONE_INT8_STEP * e.norm()
+
+
+def test_fused_bf16_model_is_as_close_to_fp32_as_the_unfused_path() -> None:
+    # the fused op keeps the residual stream in fp32 and rounds only its result to bf16
+    reference, _ = run(demo_shaped_model(num_layers=2), MIXED_STEPS, fused=False)
+    model = demo_shaped_model(num_layers=2, dtype=torch.bfloat16)
+    fused, _ = run(model, MIXED_STEPS, fused=True)
+    unfused, _ = run(model, MIXED_STEPS, fused=False)
+    for r, f, u in zip(reference, fused, unfused, strict=True):
+        assert f.dtype == torch.bfloat16
+        assert (f.float() - r).norm() < 0.04 * r.norm()
+        assert (u.float() - r).norm() < 0.04 * r.norm()
+
+
+def test_fused_rows_do_not_depend_on_batch_or_chunks() -> None:
+    model = demo_shaped_model(num_layers=2, dtype=torch.bfloat16)
+    alone, _ = run(model, [[(TABLE_A, A[:33], 0)]], fused=True)
+    chunked, _ = run(  # 7-token chunks next to other requests, then a decode
+        model,
+        [
+            [(TABLE_A, A[:7], 0), (TABLE_B, B[:9], 0)],
+            [(TABLE_C, C, 0), (TABLE_A, A[7:14], 7)],
+            [(TABLE_A, A[14:21], 14)],
+            [(TABLE_B, B[9:10], 9), (TABLE_A, A[21:28], 21)],
+            [(TABLE_A, A[28:32], 28), (TABLE_C, C[:1], 5)],
+            [(TABLE_A, A[32:33], 32)],
+        ],
+        fused=True,
+    )
+    rows = torch.cat([chunked[0][:7], chunked[1][5:], chunked[2], chunked[3][1:]])
+    rows = torch.cat([rows, chunked[4][:4], chunked[5]])
+    assert torch.equal(rows, alone[0])
+
+
+def test_demo_checkpoint_fused_close_to_unfused(demo_int4_dir: Path) -> None:
+    from modelship.engine.tokenizer import load_tokenizer
+
+    model = load_model(demo_int4_dir)
+    assert model.fused_decoder is not None  # the default on an AVX2 CPU
+    text = "The history of the city of Rome begins with the founding of a small settlement"
+    prompt = torch.tensor(load_tokenizer(demo_int4_dir)(text).input_ids)
+    n = len(prompt)
+    steps = [[([0, 1], prompt[: n - 1], 0)], [([0, 1], prompt[n - 1 :], n - 1)]]
+    fused, _ = run(model, steps, fused=True, num_blocks=4)
+    unfused, _ = run(model, steps, fused=False, num_blocks=4)
+    for f, u in zip(fused, unfused, strict=True):
+        # 30 layers of int8 noise, and a bf16 residual stream on the unfused path
+        assert (f.float() - u.float()).norm() < 0.1 * u.float().norm()
+        logprobs_f = model.compute_logits(f).log_softmax(-1)
+        logprobs_u = model.compute_logits(u).log_softmax(-1)
+        kl = (logprobs_u.exp() * (logprobs_u - logprobs_f)).sum(-1)  # per token
+        assert kl.mean() < 0.05
+    assert (logprobs_f.argmax(-1) == logprobs_u.argmax(-1)).all()  # the next token
+
+
+def test_unfusable_models_keep_the_python_path(tiny_llama_dir: Path) -> None:
+    assert load_model(tiny_llama_dir).fused_decoder is None  # dense weights
+    model = demo_shaped_model(num_layers=1)
+    model.layers[0].qk_norm = True  # Qwen3's per-head q/k norm: not in the fused op
+    assert not model.use_fused_decoder() and model.fused_decoder is None

@@ -34,7 +34,7 @@ def step(scheduler: Scheduler, token: int = 7):
     """One fake model step: every sequence that completed its tokens samples `token`."""
     plan = scheduler.schedule()
     sampled = {
-        s.seq.request_id: token
+        s.seq.seq_id: token
         for s in plan.scheduled
         if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
     }
@@ -48,7 +48,7 @@ def test_chunked_prefill_within_budget() -> None:
     scheduler = make(max_num_batched_tokens=16)
     scheduler.add_request(request("long", 40))
     plan, _ = step(scheduler)
-    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("long", 16)]
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in plan.scheduled] == [("long", 16)]
     plan, _ = step(scheduler)
     assert plan.scheduled[0].num_new_tokens == 16
     seq = plan.scheduled[0].seq
@@ -70,7 +70,7 @@ def test_while_streams_decode_new_prompts_run_in_bounded_chunks() -> None:
     chunks = []
     while True:
         plan, _ = step(scheduler)
-        sizes = {s.seq.request_id: s.num_new_tokens for s in plan.scheduled}
+        sizes = {s.seq.seq_id: s.num_new_tokens for s in plan.scheduled}
         assert sizes["a"] == sizes["b"] == 1  # the streams advance every step
         chunks.append(sizes["late"])
         if sizes["late"] == 1:
@@ -107,7 +107,7 @@ def test_priorities_then_fcfs() -> None:
     order = []
     for _ in range(30):
         _plan, finished = step(scheduler)
-        order += [s.request_id for s in finished]
+        order += [s.seq_id for s in finished]
     assert order == ["high", "low-1", "low-2"]
 
 
@@ -170,7 +170,7 @@ def test_preemption_under_a_tiny_pool_finishes_everyone() -> None:
             break
         plan, done = step(scheduler)
         preempted += plan.preempted
-        finished += [s.request_id for s in done]
+        finished += [s.seq_id for s in done]
     assert sorted(finished) == ["mid", "new", "old"]
     assert preempted and preempted[0] == "new"  # lowest priority goes first
     assert scheduler.num_preemptions == len(preempted)

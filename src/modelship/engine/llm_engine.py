@@ -157,10 +157,10 @@ class LLMEngine:
         try:
             self._requests[request_id] = request
             for index, seq in enumerate(seqs):
-                self._seq_owner[seq.request_id] = (request, index)
-                self._generators[seq.request_id] = generators[index]
+                self._seq_owner[seq.seq_id] = (request, index)
+                self._generators[seq.seq_id] = generators[index]
         except BaseException:  # nothing above should raise; if it does, undo the admission
-            self.scheduler.abort(seqs[0].request_id)
+            self.scheduler.abort(seqs[0].seq_id)
             self.scheduler.drop_held_back(request.held_back)
             self._forget(request)
             raise
@@ -179,7 +179,7 @@ class LLMEngine:
                 seq.finish("abort")
                 self.scheduler.drop_held_back([seq])
             else:
-                self.scheduler.abort(seq.request_id)
+                self.scheduler.abort(seq.seq_id)
             deltas.append(self._delta(request, index, [], "", None, "abort", None))
         self._forget(request)
         return deltas
@@ -235,7 +235,7 @@ class LLMEngine:
         if output.sampler_output is not None:
             token_ids = output.sampler_output.token_ids.tolist()
             sampled = {
-                seq.request_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
+                seq.seq_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
             }
         self.scheduler.update_from_output(plan, sampled)
         for seq_id, chunk in output.prompt_logprobs.items():
@@ -249,7 +249,7 @@ class LLMEngine:
         return deltas
 
     def _process_sampled(self, seq: Sequence, row: int, sampler_output) -> SequenceDelta:
-        request, index = self._seq_owner[seq.request_id]
+        request, index = self._seq_owner[seq.seq_id]
         token_id = seq.token_ids[-1]
         detokenizer = request.detokenizers[index]
         detokenized = detokenizer.update([token_id])
@@ -257,7 +257,7 @@ class LLMEngine:
         stop_reason: str | int | None = None
         if detokenized.stop_reason is not None:
             if not seq.is_finished:
-                self.scheduler.finish(seq.request_id, "stop")
+                self.scheduler.finish(seq.seq_id, "stop")
             else:
                 seq.finish_reason = "stop"
             stop_reason = detokenized.stop_reason
@@ -304,8 +304,8 @@ class LLMEngine:
     def _forget(self, request: _Request) -> None:
         self._requests.pop(request.request_id, None)
         for seq in request.seqs:
-            self._seq_owner.pop(seq.request_id, None)
-            self._generators.pop(seq.request_id, None)
+            self._seq_owner.pop(seq.seq_id, None)
+            self._generators.pop(seq.seq_id, None)
 
     def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.is_greedy:

@@ -100,7 +100,7 @@ class ModelRunner:
             params=[seq.params for seq in sampled_seqs],
             prompt_token_ids=[seq.token_ids[: seq.num_prompt_tokens] for seq in sampled_seqs],
             output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
-            generators=[generators.get(seq.request_id) for seq in sampled_seqs],
+            generators=[generators.get(seq.seq_id) for seq in sampled_seqs],
             vocab_size=self.vocab_size,
             device=logits.device,
         )
@@ -130,7 +130,7 @@ class ModelRunner:
                     if top_ids is not None:
                         top = dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True))
                     entries.append(TokenLogprob(token_id, chosen[i], top))
-                result[seq.request_id] = PromptLogprobs(start + 1, entries)
+                result[seq.seq_id] = PromptLogprobs(start + 1, entries)
             row += num_new
         return result
 

@@ -141,7 +141,7 @@ class Scheduler:
             while not manager.can_allocate(seq, num_new):
                 victim = self.running[-1]  # lowest priority, newest arrival
                 self._preempt(victim)
-                plan.preempted.append(victim.request_id)
+                plan.preempted.append(victim.seq_id)
                 if victim is seq:
                     break
             else:
@@ -196,14 +196,14 @@ class Scheduler:
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += scheduled.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            token_id = sampled.get(seq.request_id)
+            token_id = sampled.get(seq.seq_id)
             if token_id is None:
                 continue
             seq.append_token(token_id)
             self.num_generation_tokens += 1
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
-                self.finish(seq.request_id, reason)
+                self.finish(seq.seq_id, reason)
                 finished.append(seq)
         return finished
 
@@ -221,11 +221,11 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, request_id: str, reason: str) -> Sequence | None:
+    def finish(self, seq_id: str, reason: str) -> Sequence | None:
         """End a sequence now (stop string, abort) and free its blocks at once."""
         for queue in (self.running, self.waiting):
             for seq in queue:
-                if seq.request_id == request_id:
+                if seq.seq_id == seq_id:
                     if queue is self.waiting:
                         self._dequeue(seq)
                     else:
@@ -235,8 +235,8 @@ class Scheduler:
                     return seq
         return None
 
-    def abort(self, request_id: str) -> Sequence | None:
-        return self.finish(request_id, "abort")
+    def abort(self, seq_id: str) -> Sequence | None:
+        return self.finish(seq_id, "abort")
 
     @property
     def num_running(self) -> int:

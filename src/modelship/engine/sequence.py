@@ -28,13 +28,13 @@ class Sequence:
 
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -53,7 +53,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+            f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
 

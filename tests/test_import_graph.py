@@ -1,6 +1,7 @@
 """The import graph of `src/modelship`: no circle between modules, and no package imports
 one above it (the layers docs/architecture.md draws). Read from the source with `ast`,
-imports inside functions included: a lazy import is still a dependency."""
+imports inside functions included (a lazy import is still a dependency), those only for
+type checkers left out."""
 
 from __future__ import annotations
 
@@ -41,11 +42,25 @@ def module_names() -> dict[str, Path]:
     return modules
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node, except those under `if TYPE_CHECKING:` (never imported at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = child.test if isinstance(child, ast.If) else None
+            if isinstance(test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = module_names()
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in runtime_nodes(ast.parse(path.read_text())):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]

@@ -16,6 +16,7 @@ import secrets
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
+from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.releases import end_canary, read_traffic
 from modelship.fleet.supervisor import ReleaseSpec, Supervisor
 from modelship.gateway.app import create_gateway_app
@@ -59,7 +60,7 @@ class LocalFleet:
         )
         self.service.on_canary_rollback = self._auto_rollback
         self.supervisor = Supervisor(
-            config.autoscale, self.pool, self.service.metrics, self._launch
+            config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
         )
         self._tasks: list[asyncio.Task] = []
 

@@ -12,6 +12,7 @@ request in flight there (the replica then drains itself), SIGKILL after `drain_t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,8 +24,9 @@ import httpx
 
 from modelship.autoscale.policy import AutoscalerPolicy
 from modelship.fleet.config import SupervisorConfig
+from modelship.fleet.metrics import FleetMetrics
 from modelship.gateway.canary import Track
-from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
+from modelship.gateway.metrics import FleetSnapshot
 from modelship.gateway.pool import EndpointPool
 from modelship.server.process import ReplicaProcess
 
@@ -75,7 +77,7 @@ class Supervisor:
         self,
         config: SupervisorConfig,
         pool: EndpointPool,
-        metrics: GatewayMetrics | None,
+        metrics: FleetMetrics | None,
         launch: Launcher,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -298,16 +300,16 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
     def snapshot(self, service) -> FleetSnapshot:
+        """The gateway's snapshot with the supervisor's view of replicas (starting ones
+        included, by state) and the desired replicas per track."""
         replicas: dict[tuple[str, str, str, str], int] = {}
         for r in self.replicas:
             key = (str(r.track), str(r.spec.release), r.spec.variant, str(r.state))
             replicas[key] = replicas.get(key, 0) + 1
-        return FleetSnapshot(
+        return dataclasses.replace(
+            service.snapshot(),
             replicas=replicas,
-            breakers=service.breaker_states(),
-            held_by_priority=service.held_by_priority(),
             desired_replicas={str(t): s.desired for t, s in self.tracks.items()},
-            canary_weight=service.canary_weight,
         )
 
 

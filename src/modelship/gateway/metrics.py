@@ -24,7 +24,6 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0,
 )  # fmt: skip
-_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
 @dataclass(frozen=True)
@@ -171,25 +170,6 @@ class GatewayMetrics:
             "Whole request as the gateway saw it.",
             ["release", "variant"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.time_to_capacity = Histogram(
-            PREFIX + "replica_time_to_ready_seconds",
-            "From starting a replica process to its /ready answering 200.",
-            ["release", "variant"],
-            buckets=_START_BUCKETS,
-            registry=r,
-        )
-        self.replica_restarts = Counter(
-            PREFIX + "replica_restarts",
-            "Replicas restarted after crashing.",
-            ["release"],
-            registry=r,
-        )
-        self.scale_events = Counter(
-            PREFIX + "scale_events",
-            "Replicas started or drained by the autoscaler.",
-            ["track", "direction"],
             registry=r,
         )
         self.canary_rollbacks = Counter(

@@ -1,0 +1,33 @@
+"""The supervisor's metrics: replica starts, restarts and scaling, on the gateway's
+registry, so one `/metrics` scrape shows the fleet and its traffic under one prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from modelship.gateway.metrics import PREFIX
+
+_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class FleetMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.time_to_capacity = Histogram(
+            PREFIX + "replica_time_to_ready_seconds",
+            "From starting a replica process to its /ready answering 200.",
+            ["release", "variant"],
+            buckets=_START_BUCKETS,
+            registry=registry,
+        )
+        self.replica_restarts = Counter(
+            PREFIX + "replica_restarts",
+            "Replicas restarted after crashing.",
+            ["release"],
+            registry=registry,
+        )
+        self.scale_events = Counter(
+            PREFIX + "scale_events",
+            "Replicas started or drained by the autoscaler.",
+            ["track", "direction"],
+            registry=registry,
+        )

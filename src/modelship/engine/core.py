@@ -343,7 +343,8 @@ class EngineCoreClient:
         self._error = error
         self._crashed = notify
         self._detach()
-        logger.error("%s; failing %d open requests", error, len(self._streams))
+        if notify or self._streams:
+            logger.error("%s; failing %d open requests", error, len(self._streams))
         if self._ready is not None and not self._ready.done():
             self._ready.set_result(None)  # add_request then raises the error
         for future in self._admissions.values():

@@ -46,7 +46,8 @@ def main() -> None:
         parser.error(f"{model_dir} is not a model folder (run `make run` first, or --model-dir)")
 
     rows = []
-    for name, flag in (("engine process", "--engine-process"), ("engine thread", "--engine-thread")):
+    placements = (("engine process", "--engine-process"), ("engine thread", "--engine-thread"))
+    for name, flag in placements:
         first = time_to_ready(model_dir, flag)
         times = [time_to_ready(model_dir, flag) for _ in range(args.runs)]
         rows.append(

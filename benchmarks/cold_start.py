@@ -25,7 +25,7 @@ from modelship.server.process import ReplicaProcess
 
 def time_to_ready(model_dir: Path, flag: str) -> float:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "cold-start.log"
-    replica = ReplicaProcess(model_dir, flag, log_path=log)
+    replica = ReplicaProcess(model_dir, "--engine-core", flag, log_path=log)
     try:
         return replica.wait_ready(timeout_s=300)
     finally:
@@ -46,7 +46,7 @@ def main() -> None:
         parser.error(f"{model_dir} is not a model folder (run `make run` first, or --model-dir)")
 
     rows = []
-    placements = (("engine process", "--engine-process"), ("engine thread", "--engine-thread"))
+    placements = (("engine process", "process"), ("engine thread", "thread"))
     for name, flag in placements:
         first = time_to_ready(model_dir, flag)
         times = [time_to_ready(model_dir, flag) for _ in range(args.runs)]

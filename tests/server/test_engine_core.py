@@ -39,7 +39,9 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 @pytest.fixture
 def server(tiny_llama_dir: Path):
-    process = ServerProcess(tiny_llama_dir, "--served-model-name", MODEL)
+    process = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--engine-core", "process"
+    )
     yield process
     process.kill()
     process.close_log()

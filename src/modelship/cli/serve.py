@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -71,13 +72,15 @@ def serve(
             "(a parent process that chose the port hands it over without a race)."
         ),
     ] = None,
-    engine_process: Annotated[
-        bool,
+    engine_core: Annotated[
+        str,
         typer.Option(
-            "--engine-process/--engine-thread",
-            help="Run the engine core in its own process (default) or on a thread of the server's.",
+            help="Where the engine core runs: process (its own, beside the HTTP process), "
+            "thread (of the server's process) or auto (process with 4+ cores: on fewer, "
+            "the HTTP process preempts the core's kernel threads and costs more than the "
+            "GIL it saves; docs/performance.md).",
         ),
-    ] = True,
+    ] = "auto",
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
     from pydantic import ValidationError
@@ -87,6 +90,13 @@ def serve(
     from modelship.server.launcher import serve as run_server
     from modelship.server.limits import RequestLimitsConfig
 
+    if engine_core not in ("auto", "process", "thread"):
+        fail(
+            f"--engine-core must be auto, process or thread, got {engine_core!r}", CONFIG_EXIT_CODE
+        )
+    engine_process = engine_core == "process" or (
+        engine_core == "auto" and (os.cpu_count() or 1) >= 4
+    )
     try:
         validate_model_folder(model_dir)
         limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)

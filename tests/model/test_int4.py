@@ -273,6 +273,10 @@ def test_w4a8_on_real_schemes_matches_dequantized_reference(quantized_g64) -> No
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
     torch_kernel = logits_of(load_model(folder, int4_kernel="torch"), ids)
     assert isinstance(load_model(folder, int4_kernel="torch").layers[0].qkv_proj, Int4Linear)
+    # all-W4A8 layers run fused on CPU-kernel steps by default; torch's kernel cannot
+    assert model.fused_decoder is not None
+    assert load_model(folder, int4_kernel="torch").fused_decoder is None
+    assert load_model(folder, fused_decoder=False).fused_decoder is None
     assert (actual - torch_kernel).abs().max() < 0.05 * expected.abs().max()
 
 

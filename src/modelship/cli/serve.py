@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,14 @@ from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
 
 app = typer.Typer()
+
+
+class EngineCorePlacement(StrEnum):
+    auto = "auto"
+    process = "process"
+    thread = "thread"
+
+
 _ENGINE = EngineOptions()  # the defaults, shared with pipeline.yaml's serve.engine
 
 
@@ -73,14 +82,14 @@ def serve(
         ),
     ] = None,
     engine_core: Annotated[
-        str,
+        EngineCorePlacement,
         typer.Option(
             help="Where the engine core runs: process (its own, beside the HTTP process), "
             "thread (of the server's process) or auto (process with 4+ cores: on fewer, "
             "the HTTP process preempts the core's kernel threads and costs more than the "
             "GIL it saves; docs/performance.md).",
         ),
-    ] = "auto",
+    ] = EngineCorePlacement.auto,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
     from pydantic import ValidationError
@@ -90,12 +99,8 @@ def serve(
     from modelship.server.launcher import serve as run_server
     from modelship.server.limits import RequestLimitsConfig
 
-    if engine_core not in ("auto", "process", "thread"):
-        fail(
-            f"--engine-core must be auto, process or thread, got {engine_core!r}", CONFIG_EXIT_CODE
-        )
-    engine_process = engine_core == "process" or (
-        engine_core == "auto" and (os.cpu_count() or 1) >= 4
+    engine_process = engine_core is EngineCorePlacement.process or (
+        engine_core is EngineCorePlacement.auto and (os.cpu_count() or 1) >= 4
     )
     try:
         validate_model_folder(model_dir)

@@ -122,23 +122,7 @@ class AsyncLLMEngine:
             # cancelled); an abort of a request the engine never took does nothing.
             self.abort(request_id)
             raise
-        return self._stream(request_id, params.n, deltas)
-
-    async def _stream(
-        self, request_id: str, n: int, deltas: asyncio.Queue[SequenceDelta | BaseException]
-    ) -> AsyncIterator[SequenceDelta]:
-        remaining = n
-        try:
-            while remaining:
-                item = await deltas.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
-        finally:
-            if remaining:
-                self.abort(request_id)
+        return stream_deltas(deltas, params.n, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -232,3 +216,22 @@ class AsyncLLMEngine:
             sink(EngineDeadError(str(error)))
         self._sinks.clear()
         self._unfinished.clear()
+
+
+async def stream_deltas(
+    deltas: asyncio.Queue[SequenceDelta | BaseException], n: int, abort: Callable[[], None]
+) -> AsyncIterator[SequenceDelta]:
+    """One request's deltas from `deltas` until its `n` sequences finish; an exception put
+    in the queue is raised. Closed before that (the client went away), it calls `abort`."""
+    remaining = n
+    try:
+        while remaining:
+            item = await deltas.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield item
+    finally:
+        if remaining:
+            abort()

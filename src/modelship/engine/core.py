@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from modelship.engine.async_engine import stream_deltas
 from modelship.engine.config import EngineConfig
 from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
 from modelship.engine.outputs import EngineStats, SequenceDelta
@@ -155,11 +156,10 @@ def main(argv: list[str]) -> int:
 
 # Client (the server's process) -------------------------------------------------------------
 class _Stream:
-    __slots__ = ("queue", "remaining", "unsent")
+    __slots__ = ("queue", "unsent")
 
     def __init__(self, n: int) -> None:
         self.queue: asyncio.Queue[SequenceDelta | BaseException] = asyncio.Queue()
-        self.remaining = n  # sequences the reader has not seen finish
         self.unsent = n  # sequences whose final delta has not arrived from the core
 
 
@@ -256,20 +256,7 @@ class EngineCoreClient:
             raise
         finally:
             self._admissions.pop(request_id, None)
-        return self._stream(request_id, stream)
-
-    async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[SequenceDelta]:
-        try:
-            while stream.remaining:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    stream.remaining -= 1
-                yield item
-        finally:
-            if stream.remaining:
-                self.abort(request_id)
+        return stream_deltas(stream.queue, params.n, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -263,3 +263,39 @@ def test_score_equals_transformers_and_needs_an_idle_engine(tiny_llama_dir: Path
     engine.add_request("busy", PROMPTS[1], SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="idle"):
         engine.score(sequences)
+
+
+def test_failed_generate_leaves_the_engine_clean(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises (here: the model runner) aborts that call's requests, so the next
+    `generate` neither trips over stale request ids nor finds blocks still held."""
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+    real_execute = engine.runner.execute
+    calls = 0
+
+    def fail_on_second_step(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("No available kernel")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_on_second_step)
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        llm.generate(PROMPTS, params)
+    assert not engine.has_unfinished()
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_integrity()
+    again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert again == expected
+
+    # a prompt refused at admission takes the already-queued ones of the same call with it
+    with pytest.raises(ValueError):
+        llm.generate([PROMPTS[0], [10**9]], params)
+    assert not engine.has_unfinished()

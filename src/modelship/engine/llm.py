@@ -50,22 +50,33 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
 
         results: dict[str, RequestOutput] = {}
-        order = []
-        for prompt, params, prio in zip(prompts, sampling_params, priorities, strict=True):
-            request_id = f"llm-{next(self._ids)}"
-            prompt_token_ids = self.engine.add_request(request_id, prompt, params, priority=prio)
-            order.append(request_id)
-            results[request_id] = RequestOutput(
-                request_id,
-                prompt if isinstance(prompt, str) else None,
-                prompt_token_ids,
-                [CompletionOutput(index=i) for i in range(params.n)],
-            )
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                output = results[delta.request_id]
-                output.outputs[delta.index].extend(delta)
-                output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
-                if delta.prompt_logprobs is not None:
-                    output.prompt_logprobs = delta.prompt_logprobs
+        order: list[str] = []
+        try:
+            for prompt, params, prio in zip(prompts, sampling_params, priorities, strict=True):
+                request_id = f"llm-{next(self._ids)}"
+                prompt_token_ids = self.engine.add_request(
+                    request_id, prompt, params, priority=prio
+                )
+                order.append(request_id)
+                results[request_id] = RequestOutput(
+                    request_id,
+                    prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids,
+                    [CompletionOutput(index=i) for i in range(params.n)],
+                )
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    output = results[delta.request_id]
+                    output.outputs[delta.index].extend(delta)
+                    output.num_cached_tokens = max(
+                        output.num_cached_tokens, delta.num_cached_tokens
+                    )
+                    if delta.prompt_logprobs is not None:
+                        output.prompt_logprobs = delta.prompt_logprobs
+        except BaseException:
+            # A prompt that fails admission, a step that raises, or Ctrl-C: this call's
+            # requests leave the engine with it (blocks freed), so the next call starts clean.
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         return [results[request_id] for request_id in order]

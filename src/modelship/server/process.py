@@ -6,17 +6,17 @@ one, the fleet supervisor runs its replicas with it, tests start one per module.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from modelship.lifetime import parent_death_signal
 
 API_KEY_ENV = "MODELSHIP_API_KEY"  # `modelship serve` reads its key from here
 
@@ -45,25 +45,6 @@ def bind_socket(host: str, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def parent_death_signal(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
-    """A `preexec_fn`: the child gets `sig` when its parent dies, even by kill -9, so a
-    crashed supervisor or `select` leaves no orphan replica holding a port and memory.
-
-    Linux sends it when the thread that forked the child exits: fork from a thread that
-    outlives the child."""
-    import ctypes
-
-    parent_pid = os.getpid()
-
-    def set_death_signal() -> None:
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return set_death_signal
 
 
 class ReplicaProcess:

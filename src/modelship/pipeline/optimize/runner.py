@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from modelship.lifetime import die_with_parent
 from modelship.pipeline.calibration import corpus_hash
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.optimize.schemes import Recipe, create_scheme
@@ -61,18 +63,13 @@ def is_done(storage: Storage, slug: str, variant: str, inputs_hash: str) -> bool
     return manifest.inputs_hash == inputs_hash
 
 
-def _worker_init(log_path: str | None) -> None:
+def _worker_init(parent_pid: int, log_path: str | None) -> None:
     """Worker processes die with their parent (a `kill -9` of the run must not leave a
-    worker holding a variant's lock), and write their output to the step's log."""
-    import ctypes
-    import signal
+    worker holding a variant's lock, or publishing it later), and write their output to
+    the step's log."""
     import sys
 
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except OSError:
-        pass
+    die_with_parent(parent_pid, signal.SIGKILL)
     if log_path is not None:
         handle = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker
         os.dup2(handle.fileno(), 1)
@@ -150,7 +147,7 @@ def optimize(
         max_workers=workers,
         mp_context=context,
         initializer=_worker_init,
-        initargs=(str(log_path) if log_path else None,),
+        initargs=(os.getpid(), str(log_path) if log_path else None),
     ) as pool:
         futures = {
             pool.submit(

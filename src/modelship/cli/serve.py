@@ -66,6 +66,12 @@ def serve(
     prefix_caching: Annotated[
         bool, typer.Option(help="Reuse cached prompt blocks.")
     ] = _ENGINE.prefix_caching,
+    cuda_graphs: Annotated[
+        bool, typer.Option(help="Decode steps from captured CUDA graphs (CUDA devices only).")
+    ] = _ENGINE.cuda_graphs,
+    cuda_graph_max_batch_size: Annotated[
+        int, typer.Option(help="Largest decode batch captured (up to 256); larger run eagerly.")
+    ] = _ENGINE.cuda_graph_max_batch_size,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -116,6 +122,8 @@ def serve(
             block_size=block_size,
             max_waiting_requests=max_waiting_requests,
             prefix_caching=prefix_caching,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_max_batch_size=cuda_graph_max_batch_size,
         )
         config = options.to_engine_config()
     except ValidationError as exc:  # the message names the flag's field

@@ -144,6 +144,8 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         flags += ["--max-model-len", str(engine.max_model_len)]
     if engine.dtype:
         flags += ["--dtype", engine.dtype]
+    if not engine.cuda_graphs:
+        flags += ["--enforce-eager"]
     gpu = ctx.serving.gpu
     if gpu is not None and gpu.count > 1:
         flags += ["--tensor-parallel-size", str(gpu.count)]

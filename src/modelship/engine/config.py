@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from modelship.engine.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from modelship.model.attention import ATTENTION_BACKENDS
 from modelship.model.quant.int4 import INT4_KERNELS
 from modelship.model.quant.int8 import LM_HEADS
@@ -52,6 +54,12 @@ class EngineConfig:
     # run all decoder layers in one C++ call on CPU-kernel steps where the model allows it
     # (W4A8 projections, no q/k norm; `model.fused_decoder`), else layer by layer in Python
     fused_decoder: bool = True
+    # decode-only steps of up to `cuda_graph_max_batch_size` sequences (and `max_num_seqs`)
+    # replayed from captured graphs (`engine.cuda_graphs`): True captures CUDA graphs on a
+    # CUDA device and is off elsewhere; "replay" runs the graph runner's static buffers,
+    # padding and bucketing with the forward called eagerly, on any device (tests)
+    cuda_graphs: bool | Literal["replay"] = True
+    cuda_graph_max_batch_size: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -68,6 +76,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "replay"):
+            raise ValueError(f"cuda_graphs must be True, False or 'replay': {self.cuda_graphs!r}")
+        if not 1 <= self.cuda_graph_max_batch_size <= MAX_GRAPH_BATCH_SIZE:
+            raise ValueError(f"cuda_graph_max_batch_size must be in [1, {MAX_GRAPH_BATCH_SIZE}]")
         for name, choices in (
             ("int4_kernel", INT4_KERNELS),
             ("lm_head", LM_HEADS),
@@ -84,6 +96,18 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def graph_capturer(self) -> str | None:
+        """How decode steps are captured: "cuda", "replay" or None (every step eager)."""
+        if self.cuda_graphs == "replay":
+            return "replay"
+        return "cuda" if self.cuda_graphs and self.torch_device.type == "cuda" else None
+
+    @property
+    def max_graph_batch_size(self) -> int:
+        """The largest captured decode batch: no step runs more sequences than this."""
+        return min(self.cuda_graph_max_batch_size, self.max_num_seqs, self.max_num_batched_tokens)
 
     def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if self.dtype is not None:

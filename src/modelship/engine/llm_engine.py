@@ -18,6 +18,11 @@ import torch
 
 from modelship.engine.block_manager import BlockManager
 from modelship.engine.config import EngineConfig
+from modelship.engine.cuda_graphs import (
+    DecodeGraphRunner,
+    create_graph_capturer,
+    graph_capture_error,
+)
 from modelship.engine.detokenizer import IncrementalDetokenizer
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
@@ -71,14 +76,21 @@ class LLMEngine:
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)
 
         cache_dtype = self.config.cache_dtype(self.model.dtype)
+        attention_backend = resolve_attention_backend(
+            self.config.attention_backend, device, cache_dtype
+        )
+        capturer = self._graph_capturer(attention_backend)
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks or max(
             1,
             self.config.kv_cache_memory_bytes
             // kv_cache_bytes_per_block(model_config, block_size, cache_dtype),
         )
+        # With graphs, one more block than the block manager hands out: the padding rows of
+        # a replayed decode step write and read only this scratch block (id num_blocks).
+        num_scratch_blocks = 1 if capturer is not None else 0
         self.kv_caches = allocate_kv_cache(
-            model_config, num_blocks, block_size, cache_dtype, device
+            model_config, num_blocks + num_scratch_blocks, block_size, cache_dtype, device
         )
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -87,23 +99,51 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
         )
-        attention_backend = resolve_attention_backend(
-            self.config.attention_backend, device, cache_dtype
+        graph_runner = None
+        if capturer is not None:
+            graph_runner = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                block_size=block_size,
+                max_model_len=self.max_model_len,
+                max_batch_size=self.config.max_graph_batch_size,
+                scratch_block=num_blocks,
+                attention_backend=attention_backend,
+                device=device,
+                capturer=create_graph_capturer(capturer, device),
+            )
+            graph_runner.capture()  # after the KV cache exists: the graphs address it
+        self.runner = ModelRunner(
+            self.model, self.kv_caches, block_size, device, attention_backend, graph_runner
         )
-        self.runner = ModelRunner(self.model, self.kv_caches, block_size, device, attention_backend)
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(self.config.seed)
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, dtype %s, kv %s",
+            "engine ready: %s, %d KV blocks of %d tokens, dtype %s, kv %s, attention %s, "
+            "decode graphs %s",
             self.model_path,
             num_blocks,
             block_size,
             self.model.dtype,
             cache_dtype,
+            attention_backend,
+            capturer or "off",
         )
+
+    def _graph_capturer(self, attention_backend: str) -> str | None:
+        """The config's capturer, or None (with a warning) where CUDA graphs were left on by
+        default but this attention backend cannot be captured; "replay" refuses loudly."""
+        capturer = self.config.graph_capturer
+        error = capturer and graph_capture_error(
+            attention_backend, self.config.block_size, self.config.torch_device
+        )
+        if capturer == "cuda" and error:
+            logger.warning("decode steps run eagerly: %s", error)
+            return None
+        return capturer
 
     # Requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelship.engine.cuda_graphs import DecodeGraphRunner
 from modelship.engine.outputs import TokenLogprob
 from modelship.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from modelship.engine.scheduler import SchedulerOutput
@@ -35,7 +36,11 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Reads sequences (never changes them), runs the model, returns sampled tokens."""
+    """Reads sequences (never changes them), runs the model, returns sampled tokens.
+
+    With a `graph_runner` (captured by the caller), decode-only steps it can take run from
+    its graphs; prefill and mixed steps, and batches above its largest size, run eagerly.
+    Logits and sampling are always eager."""
 
     def __init__(
         self,
@@ -44,6 +49,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention_backend: str = "sdpa",
+        graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.attention_backend = attention_backend  # "cpu" or "sdpa", resolved by the engine
@@ -51,6 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.config.vocab_size
+        self.graph_runner = graph_runner
 
     def prepare_inputs(
         self, plan: SchedulerOutput
@@ -87,10 +94,18 @@ class ModelRunner:
         self, plan: SchedulerOutput, generators: dict[str, torch.Generator | None]
     ) -> RunnerOutput:
         """Run the plan's tokens through the model; sample for sequences that completed."""
-        input_ids, positions, attn_metadata, sample_indices, sampled_seqs = self.prepare_inputs(
-            plan
-        )
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        if self.graph_runner is not None and self.graph_runner.can_replay(plan):
+            seqs = [scheduled.seq for scheduled in plan.scheduled]
+            hidden = self.graph_runner.replay(seqs)  # [num_seqs, hidden], one row each
+            sample_indices = [
+                row for row, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens
+            ]
+            sampled_seqs = [seqs[row] for row in sample_indices]
+        else:
+            input_ids, positions, attn_metadata, sample_indices, sampled_seqs = self.prepare_inputs(
+                plan
+            )
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
         if not sampled_seqs:
             return RunnerOutput([], None, prompt_logprobs)

@@ -23,6 +23,10 @@ class EngineOptions(BaseModel):
     block_size: int = Field(default=16, ge=1)
     max_waiting_requests: int = Field(default=1024, ge=0)
     prefix_caching: bool = True
+    # decode steps from captured CUDA graphs on a CUDA device (no effect on CPU), for
+    # batches of up to this many sequences
+    cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=256)
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig
@@ -38,6 +42,8 @@ class EngineOptions(BaseModel):
             block_size=self.block_size,
             max_waiting_requests=self.max_waiting_requests,
             enable_prefix_caching=self.prefix_caching,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
         )
 
     def cli_args(self) -> list[str]:
@@ -56,5 +62,7 @@ class EngineOptions(BaseModel):
             "--block-size", str(self.block_size),
             "--max-waiting-requests", str(self.max_waiting_requests),
             "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
+            "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
+            "--cuda-graph-max-batch-size", str(self.cuda_graph_max_batch_size),
         ]  # fmt: skip
         return args

@@ -8,6 +8,7 @@ scratch block, bucket choice, eager prefill and mixed steps, prefix caching.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,6 +110,20 @@ def test_sdpa_is_refused_by_name(tiny_llama_dir: Path) -> None:
     llm = make_llm(tiny_llama_dir, True, attention_backend="sdpa")
     assert llm.engine.runner.graph_runner is None
     assert len(llm.generate(PROMPTS[0], greedy(3))[0].outputs[0].token_ids) == 3
+
+
+def test_metadata_that_follows_the_contexts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph keeps the values it was captured with: a backend whose metadata carries,
+    say, the longest context as a launch bound cannot be replayed."""
+    build = AttentionMetadata.build
+
+    def with_launch_bound(query_lens, seq_lens, block_tables, block_size, device, backend):
+        meta = build(query_lens, seq_lens, block_tables, block_size, device, "cpu")
+        return dataclasses.replace(meta, num_decode=max(seq_lens))
+
+    monkeypatch.setattr(AttentionMetadata, "build", staticmethod(with_launch_bound))
+    error = graph_capture_error("bounded", BLOCK, CPU)
+    assert error is not None and "(num_decode)" in error
 
 
 # Padding stays in the scratch block -----------------------------------------------------------
@@ -327,6 +342,20 @@ def test_prefix_cache_hits_with_graphs(tiny_llama_dir: Path) -> None:
     assert graphs(llm).num_replays.total() > replays
     llm.engine.block_manager.check_integrity()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@needs_kernels
+def test_preempted_sequences_resume_the_same_with_graphs(tiny_llama_dir: Path) -> None:
+    """Block tables change under preemption and recompute; each step's buffers follow."""
+    settings = dict(num_kv_blocks=24, max_num_batched_tokens=64, attention_backend="cpu")
+    params = greedy(30)
+    eager = make_llm(tiny_llama_dir, False, **settings).generate(PROMPTS[:3], params)
+    llm = make_llm(tiny_llama_dir, "replay", **settings)
+    replayed = llm.generate(PROMPTS[:3], params)
+    assert llm.engine.scheduler.num_preemptions > 0  # 3 x ~40 tokens > 24 blocks x 4
+    assert graphs(llm).num_replays.total() > 0
+    for ours, theirs in zip(replayed, eager, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
 
 
 # Switches ---------------------------------------------------------------------------------------

@@ -58,18 +58,31 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 def graph_capture_error(backend: str, block_size: int, device: torch.device) -> str | None:
-    """Why decode steps of this attention backend cannot be captured; None if they can."""
-    meta = AttentionMetadata.build([1, 1], [1, 1], [[0], [0]], block_size, device, backend)
-    missing = [name for name in _STATIC_FIELDS if getattr(meta, name, None) is None]
+    """Why decode steps of this attention backend cannot be captured; None if they can.
+
+    Capturable: the metadata has the four static fields, and every other field is the same
+    for two decode batches of one size with different contexts (a graph keeps the values
+    it was captured with, so they may follow from the batch size only)."""
+    short = AttentionMetadata.build([1, 1], [1, 1], [[0], [0]], block_size, device, backend)
+    long = AttentionMetadata.build(
+        [1, 1],
+        [2 * block_size + 1, block_size + 1],
+        [[0, 1, 2], [3, 4]],
+        block_size,
+        device,
+        backend,
+    )
+    missing = [name for name in _STATIC_FIELDS if getattr(short, name, None) is None]
     shaped = [
         field.name
-        for field in dataclasses.fields(meta)
-        if field.name not in _STATIC_FIELDS and _is_per_step(getattr(meta, field.name))
+        for field in dataclasses.fields(short)
+        if field.name not in _STATIC_FIELDS
+        and not _same(getattr(short, field.name), getattr(long, field.name))
     ]
     if missing or shaped:
         reasons = []
         if shaped:
-            reasons.append(f"per-step tensors shaped by the step's contexts ({', '.join(shaped)})")
+            reasons.append(f"fields that follow the step's contexts ({', '.join(shaped)})")
         if missing:
             reasons.append(f"no {', '.join(missing)}")
         return (
@@ -77,15 +90,25 @@ def graph_capture_error(backend: str, block_size: int, device: torch.device) -> 
             f"metadata has {' and '.join(reasons)}; graphs need a backend that reads K/V "
             "through block tables (cpu, triton)"
         )
-    if meta.slot_mapping.dtype != torch.long:
-        return f"attention backend {backend!r}: slot_mapping is {meta.slot_mapping.dtype}"
+    if short.slot_mapping.dtype != torch.long:
+        return f"attention backend {backend!r}: slot_mapping is {short.slot_mapping.dtype}"
     return None
 
 
-def _is_per_step(value: object) -> bool:
-    """A tensor or a non-empty list (SDPA's prefill chunks) in decode metadata: built from
-    the step's contexts, so a graph would keep reading the capture's values."""
-    return isinstance(value, torch.Tensor) or (isinstance(value, list) and len(value) > 0)
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
 
 
 class GraphCapturer(ABC):

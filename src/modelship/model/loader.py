@@ -14,6 +14,7 @@ from safetensors import safe_open
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
 from modelship.model.quant import create_quantization
+from modelship.model.quant.int4 import cuda_kernel_available
 from modelship.model.quant.int8 import LM_HEADS
 from modelship.model.registry import CausalLM, create_model
 
@@ -67,7 +68,9 @@ def resolve_dtype(
     config: ModelConfig, device: torch.device, dtype: torch.dtype | str | None
 ) -> torch.dtype:
     """The compute dtype: as asked, else bf16 on CPU (fp16 checkpoints too: torch's CPU
-    kernels are fast in bf16), else the checkpoint's half-precision dtype (fp16 for fp32)."""
+    kernels are fast in bf16), else bf16 for int4 checkpoints on a GPU that runs the CUDA
+    int4 kernel (bf16 only; the optimize stage saves them in fp16), else the checkpoint's
+    half-precision dtype (fp16 for fp32)."""
     if isinstance(dtype, str):
         if dtype.removeprefix("torch.") not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -75,6 +78,9 @@ def resolve_dtype(
     if dtype is not None:
         return dtype
     if device.type == "cpu":
+        return torch.bfloat16
+    quant_method = (config.quantization_config or {}).get("quant_method")
+    if quant_method == "compressed-tensors" and cuda_kernel_available(device):
         return torch.bfloat16
     return config.checkpoint_dtype if config.checkpoint_dtype != torch.float32 else torch.float16
 

@@ -9,11 +9,13 @@ stores columns in their original order (nothing to undo); `actorder: group` (a
 `weight_g_idx` per column, dropped by llm-compressor) is refused.
 
 Which linears are quantized, and how, comes from `config_groups` (`targets`: a class name
-such as `Linear`, `re:<regex>` or a module name) minus `ignore`. On CPU with bf16 compute
-the weights run through modelship's W4A8 kernel (`int4.W4A8Linear`, AVX2) or torch's int4
-kernel (`int4.Int4Linear`); elsewhere (CUDA, fp32 or
-fp16 compute, shapes the kernel does not take) they are dequantized once at load time into
-a dense weight: always correct, not smaller in memory.
+such as `Linear`, `re:<regex>` or a module name) minus `ignore`. With bf16 compute the
+weights stay 4-bit: on CPU in modelship's W4A8 kernel (`int4.W4A8Linear`, AVX2) or torch's
+int4 kernel (`int4.Int4Linear`), on a CUDA GPU (sm80+) in torch's tinygemm kernel
+(`int4.CudaInt4Linear`). Elsewhere (fp32 or fp16 compute, older GPUs, shapes the kernels do
+not take) they are dequantized once at load time into a dense weight: always correct, not
+smaller in memory. `pack_linear` writes one linear's tensors in this layout (tests,
+benchmarks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ import torch
 from torch import nn
 
 from modelship.model.quant.base import DenseLinear, TensorSource, bf16_upcast_rows, load_bias
-from modelship.model.quant.int4 import create_int4_linear, dequantize, unpack_int4
+from modelship.model.quant.int4 import (
+    CudaInt4Linear,
+    create_int4_linear,
+    cuda_kernel_available,
+    cuda_kernel_supports,
+    dequantize,
+    pack_int4,
+    unpack_int4,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,7 @@ class CompressedTensorsW4A16:
         if not self.schemes:
             raise ValueError("quantization_config has no config_groups")
         self.ignore = tuple(config.get("ignore") or ())
+        self._logged: set[str] = set()  # CUDA fallback reasons already logged
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme quantizing module `module` (HF name, e.g. `...self_attn.q_proj`)."""
@@ -91,30 +102,60 @@ class CompressedTensorsW4A16:
         dtype: torch.dtype,
         device: torch.device,
     ) -> nn.Module:
+        device = torch.device(device)
         parts = [self._read(get, p) for p in prefixes]
         b = load_bias(get, prefixes, dtype, device) if bias else None
         quantized = [p for p in parts if p.scheme is not None]
         group_sizes = {p.scheme.group_size for p in quantized if p.scheme is not None}
-        if (
-            len(quantized) == len(parts)
-            and len(group_sizes) == 1
-            and torch.device(device).type == "cpu"
-            and dtype == torch.bfloat16
-        ):
-            group_size = group_sizes.pop()
-            linear = create_int4_linear(
-                torch.cat([p.u for p in parts]),  # type: ignore[misc]
-                torch.cat([p.scale for p in parts]),  # type: ignore[misc]
-                torch.cat([p.zero_point for p in parts]),  # type: ignore[misc]
-                group_size,
-                b,
-                self.int4_kernel,
-            )
+        one_scheme = len(quantized) == len(parts) and len(group_sizes) == 1
+        if one_scheme and dtype == torch.bfloat16:
+            linear = self._int4_linear(prefixes[0], parts, group_sizes.pop(), b, device)
             if linear is not None:
-                return linear.to(device)
-            logger.info("%s: shape not taken by the int4 kernel; dequantized", prefixes[0])
+                return linear
+        elif quantized and device.type == "cuda":
+            self._log_once(
+                f"{dtype} compute (the CUDA int4 kernel is bf16 only)"
+                if one_scheme
+                else "projections fused across quantization schemes"
+            )
         weight = torch.cat([_dense_weight(p).to(dtype=dtype, device=device) for p in parts])
         return DenseLinear(weight, b, bf16_upcast_rows(device, dtype))
+
+    def _int4_linear(
+        self,
+        prefix: str,
+        parts: list[_Part],
+        group_size: int,
+        b: torch.Tensor | None,
+        device: torch.device,
+    ) -> nn.Module | None:
+        """The int4-kernel linear for `device` (bf16 compute), or None (dequantize)."""
+        u = torch.cat([p.u for p in parts])  # type: ignore[misc]
+        scale = torch.cat([p.scale for p in parts])  # type: ignore[misc]
+        zero_point = torch.cat([p.zero_point for p in parts])  # type: ignore[misc]
+        out_features, in_features = u.shape
+        if device.type == "cpu":
+            linear = create_int4_linear(u, scale, zero_point, group_size, b, self.int4_kernel)
+            if linear is None:
+                logger.info("%s: shape not taken by the int4 kernel; dequantized", prefix)
+            return linear
+        if device.type != "cuda":
+            return None
+        if not cuda_kernel_available(device):
+            self._log_once(f"{device} has no bf16 tensor cores (the CUDA int4 kernel needs sm80+)")
+            return None
+        if not cuda_kernel_supports(out_features, in_features, group_size):
+            self._log_once(
+                f"a {out_features}x{in_features} projection with group size {group_size} "
+                "(the CUDA int4 kernel takes out % 8 == 0, in % 32 == 0, group 32-256)"
+            )
+            return None
+        return CudaInt4Linear.from_unpacked(u, scale, zero_point, group_size, b, device)
+
+    def _log_once(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("int4 weights dequantized to dense on CUDA: %s", reason)
 
     def _read(self, get: TensorSource, prefix: str) -> _Part:
         scheme = self.scheme_for(prefix)
@@ -192,3 +233,21 @@ def _dense_weight(part: _Part) -> torch.Tensor:  # [out, in]
     groups = torch.arange(part.u.shape[1]) // group_size
     scale = part.scale.float()[:, groups]
     return (part.u.float() - 8 - part.zero_point.float()[:, groups]) * scale
+
+
+def pack_linear(
+    u: torch.Tensor,  # [out, in] int32 in [0, 15]
+    scale: torch.Tensor,  # [out, in / group_size], stored as given
+    zero_point: torch.Tensor | None,  # [out, in / group_size] signed; None: symmetric
+) -> dict[str, torch.Tensor]:
+    """One quantized linear as llm-compressor's `pack-quantized` stores it, keyed by the
+    suffix after the module name (`weight_packed`, ...): what `load_linear` reads back."""
+    out_features, in_features = u.shape
+    tensors = {
+        "weight_packed": pack_int4(u),
+        "weight_scale": scale.contiguous(),
+        "weight_shape": torch.tensor([out_features, in_features], dtype=torch.int64),
+    }
+    if zero_point is not None:  # [ceil(out / 8), groups], packed along the output dim
+        tensors["weight_zero_point"] = pack_int4((zero_point + 8).t()).t().contiguous()
+    return tensors

@@ -9,6 +9,8 @@ scratch block, bucket choice, eager prefill and mixed steps, prefix caching.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from modelship.engine.options import EngineOptions
 from modelship.engine.scheduler import ScheduledSequence, SchedulerOutput
 from modelship.engine.sequence import Sequence
 from modelship.model import cpu_kernels
-from modelship.model.attention import AttentionMetadata
+from modelship.model.attention import ATTENTION_BACKENDS, AttentionMetadata
 from modelship.model.kv_cache import KVCache
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
@@ -97,6 +99,33 @@ def test_greedy_with_graphs_equals_eager(tiny_llama_dir: Path, num_requests: int
     padded = {5: 8, 3: 4}[num_requests]
     assert graphs(llm).num_replays[padded] > 0
     assert set(graphs(llm).num_replays) == {1, 2, 4} | {padded}
+
+
+def test_greedy_with_graphs_equals_eager_on_triton(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA backend's metadata through the same buffers, on CPU tensors under Triton's
+    interpreter (three short requests, padded to 4). Runs where TRITON_INTERPRET=1 is set
+    before triton is first imported: in the environment, or by collecting
+    tests/model/test_triton_attention.py (transformers imports triton in the fixture)."""
+    if "triton" not in ATTENTION_BACKENDS:
+        pytest.skip("no triton attention backend")
+    # Triton reads it when it decorates kernels, its own included
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    settings = dict(attention_backend="triton", max_num_seqs=4, max_model_len=64)
+    prompts = PROMPTS[:3]
+    params = [greedy(3 + 2 * i) for i in range(3)]
+    try:
+        eager = make_llm(tiny_llama_dir, False, **settings).generate(prompts, params)
+    except (ValueError, RuntimeError) as exc:  # the kernel module was imported compiled
+        pytest.skip(f"triton backend unavailable on CPU here: {exc}")
+    llm = make_llm(tiny_llama_dir, "replay", **settings)
+    replayed = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in replayed] == [o.outputs[0].token_ids for o in eager]
+    assert set(graphs(llm).num_replays) == {4, 2, 1}
 
 
 def test_sdpa_is_refused_by_name(tiny_llama_dir: Path) -> None:

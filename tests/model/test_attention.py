@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -133,6 +135,17 @@ def test_metadata_slots_and_decode_batch() -> None:
     assert (whole.start, whole.context_slots, whole.mask) == (3, None, None)
 
 
+def test_triton_metadata_is_the_cpu_kernels() -> None:
+    cpu = AttentionMetadata.build(**MIXED, block_size=BLOCK, device="cpu", backend="cpu")
+    triton = AttentionMetadata.build(**MIXED, block_size=BLOCK, device="cpu", backend="triton")
+    assert (cpu.backend, triton.backend) == ("cpu", "triton")
+    for name in ("slot_mapping", "block_table", "token_request", "token_position"):
+        ours, theirs = getattr(cpu, name), getattr(triton, name)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    assert triton.block_table is not None and triton.block_table.is_contiguous()
+    assert (triton.num_tokens, triton.block_size, triton.prefills) == (17, BLOCK, [])
+
+
 def test_metadata_rejects_short_block_tables() -> None:
     with pytest.raises(ValueError, match="at least 2 blocks"):
         AttentionMetadata.build([1], [5], [[3]], BLOCK, "cpu")
@@ -175,12 +188,23 @@ def test_cpu_kernel_is_batch_and_chunk_invariant() -> None:
     assert torch.equal(out[2], whole[-1])
 
 
-def test_attention_backend_choice() -> None:
+def test_attention_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "sdpa"  # bf16 cache
     assert resolve_attention_backend("sdpa", "cpu", torch.float32) == "sdpa"
+    assert resolve_attention_backend("sdpa", "cuda", torch.bfloat16) == "sdpa"
     expected = "cpu" if cpu_kernels.load() else "sdpa"
     assert resolve_attention_backend("auto", "cpu", torch.float32) == expected
-    with pytest.raises(ValueError, match="supported: auto, cpu, sdpa"):
+    with pytest.raises(ValueError, match="supported: auto, cpu, triton, sdpa"):
         resolve_attention_backend("flash", "cpu", torch.float32)
     with pytest.raises(ValueError, match="fp32 KV cache"):
         resolve_attention_backend("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU device"):
+        resolve_attention_backend("cpu", "cuda", torch.float32)
+    # CUDA: Triton where it imports (resolving touches no GPU)
+    has_triton = importlib.util.find_spec("triton") is not None
+    triton_or_sdpa = "triton" if has_triton else "sdpa"
+    assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == triton_or_sdpa
+    # on a CPU only under Triton's interpreter (tests/model/test_triton_attention.py)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton attention backend needs"):
+        resolve_attention_backend("triton", "cpu", torch.float32)

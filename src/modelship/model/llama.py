@@ -83,15 +83,15 @@ class DecoderLayer(nn.Module):
             k = qkv[:, q_size:qk_size].view(num_tokens, kv_heads, head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        if meta.block_table is not None:  # CPU kernel: RoPE, cache write and attention
+        if meta.backend == "cpu":  # one kernel call: RoPE, cache write and attention
             # cos/sin are the whole tables here, indexed by position inside the kernel
             attn = cpu_kernels.rope_paged_attention(
                 qkv, cache.kv, cos, sin, meta, self.scale, heads
             )  # [num_tokens, q_size]
             residual = self.o_proj(attn).add_(residual)
             return self.mlp(self.post_attention_layernorm(residual)), residual
-        # q and k heads rotated together, in place: qkv then holds q | rotated k | v, and
-        # the k | v part is exactly one cache slot's layout per token.
+        # Triton and SDPA: q and k heads rotated together, in place: qkv then holds
+        # q | rotated k | v, and the k | v part is exactly one cache slot's layout per token.
         apply_rope_(qkv[:, :qk_size].view(num_tokens, heads + kv_heads, head_dim), cos, sin)
         q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
         kv = qkv[:, q_size:].view(num_tokens, 2, kv_heads, head_dim)
@@ -162,7 +162,7 @@ class LlamaForCausalLM(CausalLM):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
-        if attn_metadata.block_table is not None:  # the CPU kernel indexes the fp32 tables
+        if attn_metadata.backend == "cpu":  # the CPU kernel indexes the fp32 tables
             cos, sin = self.rotary.cos, self.rotary.sin
             if self.fused_decoder is not None:
                 return self.fused_decoder(hidden, kv_caches, cos, sin, attn_metadata)

@@ -216,7 +216,7 @@ class DecodeGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         size = self.batch_sizes[-1]
-        dtypes = AttentionMetadata.build([1], [1], [[0]], block_size, device, attention_backend)
+        probe = AttentionMetadata.build([1], [1], [[0]], block_size, device, attention_backend)
         # Static inputs; padding rows (and every row until the first step) point at the
         # scratch block. Rows of `ids`: input ids, positions, slots ([3, size] int64, so a
         # step's values arrive in one copy).
@@ -226,12 +226,12 @@ class DecodeGraphRunner:
         self.block_table = torch.full(
             (size, self.max_blocks_per_seq),
             scratch_block,
-            dtype=dtypes.block_table.dtype,
+            dtype=probe.block_table.dtype,
             device=device,
         )
         # decode: token i is request i's only token
-        self.token_request = torch.arange(size, dtype=dtypes.token_request.dtype, device=device)
-        self.token_position = torch.zeros(size, dtype=dtypes.token_position.dtype, device=device)
+        self.token_request = torch.arange(size, dtype=probe.token_request.dtype, device=device)
+        self.token_position = torch.zeros(size, dtype=probe.token_position.dtype, device=device)
         self._replays: dict[int, Forward] = {}
         self.num_replays: Counter[int] = Counter()  # replays by batch size
 

@@ -16,6 +16,7 @@ from modelship.storage import (
     ChecksumMismatchError,
     Storage,
     hash_inputs,
+    intact_artifact,
     read_manifest,
     slugify,
     verify_artifact,
@@ -119,6 +120,28 @@ def test_corruption_is_detected_and_names_the_file(tmp_path: Path) -> None:
     (artifact / "c.json").unlink()
     with pytest.raises(ChecksumMismatchError, match=r"c\.json.*missing"):
         verify_artifact(artifact)
+
+
+def test_a_damaged_artifact_is_not_memoized(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Memoization asks `intact_artifact`: a truncated file or a hand-edited manifest makes
+    the stage redo the artifact (found by the storage drill: a damaged variant used to be
+    memoized and then failed select), and the warning names the file."""
+    storage = Storage(tmp_path)
+    artifact = storage.variant_dir("m", "fp16")
+    assert intact_artifact(artifact) is None  # nothing published: no warning either
+    publish_files(storage, artifact, {"w.bin": b"0123456789"})
+    assert intact_artifact(artifact) is not None
+
+    (artifact / "w.bin").write_bytes(b"01234")
+    assert intact_artifact(artifact) is None
+    assert "w.bin: size 5 bytes" in caplog.text
+
+    publish_files(storage, artifact, {"w.bin": b"0123456789"})
+    (artifact / "manifest.json").write_text("{ edited by hand")
+    assert intact_artifact(artifact) is None
+    assert "manifest.json: not a valid manifest" in caplog.text
 
 
 LOCKED_WRITER = textwrap.dedent(

@@ -18,12 +18,11 @@ from rich.progress import Progress
 from modelship.pipeline import gguf, hub
 from modelship.pipeline.errors import AcquireError
 from modelship.storage import (
-    ArtifactNotFoundError,
     Manifest,
     Storage,
     hash_inputs,
+    intact_artifact,
     link_tree,
-    read_manifest,
     slugify,
     verify_artifact,
 )
@@ -185,10 +184,10 @@ def _materialize(
 
 
 def _memoized_hub_base(target: Path, spec: Source, requested: str) -> Manifest | None:
-    """The base, if it was acquired from the same repo at the same requested revision."""
-    try:
-        manifest = verify_artifact(target)
-    except ArtifactNotFoundError:
+    """The base, if it was acquired from the same repo at the same requested revision and
+    its files are intact."""
+    manifest = intact_artifact(target)
+    if manifest is None:
         return None
     same_repo = manifest.source == spec.uri
     same_revision = requested in (manifest.extra.get("requested_revision"), manifest.revision)
@@ -196,13 +195,8 @@ def _memoized_hub_base(target: Path, spec: Source, requested: str) -> Manifest |
 
 
 def _existing_base(target: Path, inputs_hash: str) -> Manifest | None:
-    try:
-        manifest = read_manifest(target)
-    except ArtifactNotFoundError:
-        return None
-    if manifest.inputs_hash != inputs_hash:
-        return None
-    return verify_artifact(target)
+    manifest = intact_artifact(target)
+    return manifest if manifest is not None and manifest.inputs_hash == inputs_hash else None
 
 
 def _fingerprint(path: Path) -> list:

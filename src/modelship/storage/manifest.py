@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -140,3 +143,17 @@ def verify_artifact(folder: Path, full: bool = False) -> Manifest:
         if full and sha256_file(path) != entry.sha256:
             raise ChecksumMismatchError(path, "sha256 differs from the manifest (corrupted)")
     return manifest
+
+
+def intact_artifact(folder: Path) -> Manifest | None:
+    """The manifest of the artifact at `folder` if its files still match it (sizes, as
+    `verify_artifact` checks); None if nothing is published there, or if it is damaged (a
+    manifest edited or unreadable, a file missing or truncated): then the warning names the
+    file, and the caller makes the artifact again instead of memoizing a broken one."""
+    try:
+        return verify_artifact(folder)
+    except ArtifactNotFoundError:
+        return None
+    except StorageError as exc:
+        logger.warning("%s; making it again", exc)
+        return None

@@ -21,7 +21,7 @@ from modelship.lifetime import die_with_parent
 from modelship.pipeline.calibration import corpus_hash
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.optimize.schemes import Recipe, create_scheme
-from modelship.storage import ArtifactNotFoundError, Storage, hash_inputs, read_manifest
+from modelship.storage import Storage, hash_inputs, intact_artifact, read_manifest
 from modelship.storage.manifest import tool_versions, verify_artifact
 
 # Bumped when a scheme's output changes for the same recipe, so memoized variants rebuild.
@@ -56,11 +56,10 @@ def variant_inputs(storage: Storage, slug: str, recipe: Recipe) -> dict[str, Any
 
 
 def is_done(storage: Storage, slug: str, variant: str, inputs_hash: str) -> bool:
-    try:
-        manifest = read_manifest(storage.variant_dir(slug, variant))
-    except ArtifactNotFoundError:
-        return False
-    return manifest.inputs_hash == inputs_hash
+    """Whether the variant is published from these inputs and its files are intact (a
+    damaged one is made again)."""
+    manifest = intact_artifact(storage.variant_dir(slug, variant))
+    return manifest is not None and manifest.inputs_hash == inputs_hash
 
 
 def _worker_init(parent_pid: int, log_path: str | None) -> None:

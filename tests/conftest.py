@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,23 @@ import pytest
 from modelship.storage import Storage
 
 from tiny_models import make_tiny_llama
+
+
+def _can_run_cuda() -> bool:
+    """A CUDA build of torch on a machine with an NVIDIA device, read from files (importing
+    torch here would cost every test session seconds)."""
+    spec = importlib.util.find_spec("torch")
+    builds = spec.submodule_search_locations if spec is not None else None
+    cuda_build = any((Path(p) / "lib" / "libtorch_cuda.so").exists() for p in builds or ())
+    return cuda_build and Path("/dev/nvidiactl").exists()
+
+
+# Triton runs kernels on CPU tensors only in its interpreter, and reads TRITON_INTERPRET when
+# it decorates a kernel: its own library's at its first import, which test modules trigger
+# at collection (transformers imports triton). So without a GPU it is set here, before any
+# of them (tests/model/test_triton_attention.py, tests/engine/test_cuda_graphs.py).
+if not _can_run_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,9 @@
-"""The Triton paged-attention kernel against a plain SDPA reference, run on CPU tensors by
-Triton's interpreter, and the whole model on it against SDPA.
+"""The Triton paged-attention kernel against a plain SDPA reference, and the whole model on it
+against SDPA: on a GPU where there is one, else on CPU tensors in Triton's interpreter.
 
-Triton reads TRITON_INTERPRET when it decorates a kernel, that is when
-`modelship.model.triton_attention` is first imported; nothing imports that module at
-collection time but this file, which sets the variable first (and leaves it set: the
-engine checks it again when it resolves the "triton" backend on a CPU).
+Triton reads TRITON_INTERPRET when it decorates a kernel, its own library's at its first
+import; tests/conftest.py sets it before any test module imports triton where there is no
+GPU.
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
-os.environ["TRITON_INTERPRET"] = "1"
-
 from pathlib import Path
 
 import pytest
@@ -26,8 +22,12 @@ pytest.importorskip("triton")
 from modelship.model import AttentionMetadata, KVCache, triton_attention
 from modelship.model.attention import paged_attention, resolve_attention_backend
 
-if not triton_attention.INTERPRETED:
-    pytest.skip("triton_attention was imported before TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not triton_attention.INTERPRETED:
+    pytest.skip(
+        "no GPU, and triton was imported before TRITON_INTERPRET=1 was set",
+        allow_module_level=True,
+    )
 
 SCALE = 0.125
 
@@ -62,8 +62,8 @@ def ref_attention(
 
 
 def random_step(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
-    """q (a strided view, as the model passes it), the step's K/V, a cache holding every
-    request's prefix among noise, and scattered block tables (block 0 left unused)."""
+    """On DEVICE: q (a strided view, as the model passes it), the step's K/V, a cache
+    holding every request's prefix among noise; scattered block tables (block 0 unused)."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(query_lens)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
@@ -73,25 +73,25 @@ def random_step(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dty
         count = -(-seq_len // block_size)
         tables.append(order[:count])
         order = order[count:]
-    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(num_tokens, heads + 2 * kv_heads, head_dim, generator=gen)
+    qkv = qkv.to(DEVICE, dtype)
     q, kv = qkv[:, :heads], qkv[:, heads:].view(num_tokens, 2, kv_heads, head_dim)
-    cache = KVCache(torch.randn(num_blocks * block_size, 2, kv_heads, head_dim, generator=gen))
-    cache.kv = cache.kv.to(dtype)
-    return q, kv, cache, tables
+    noise = torch.randn(num_blocks * block_size, 2, kv_heads, head_dim, generator=gen)
+    return q, kv, KVCache(noise.to(DEVICE, dtype)), tables
 
 
 def check(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
     q, kv, cache, tables = random_step(
         query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed
     )
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu", "triton")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, "triton")
     assert meta.backend == "triton" and meta.block_table is not None
     out = paged_attention(q, kv, cache, meta, SCALE)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(cache.kv[meta.slot_mapping], kv)  # the step's K/V landed
-    expected = ref_attention(q, cache.kv, query_lens, seq_lens, tables, block_size)
+    expected = ref_attention(q.cpu(), cache.kv.cpu(), query_lens, seq_lens, tables, block_size)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
 
 
 GQA = [(4, 4), (6, 2), (8, 2)]  # query heads per kv head: 1, 3, 4
@@ -139,40 +139,42 @@ def test_padded_rows_read_a_scratch_block(shared_request: bool) -> None:
     num_padded = 3
     pad_requests = [3] * num_padded if shared_request else [3, 4, 5]
     padded_tables = tables + [[scratch]] * (max(pad_requests) - 2)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu", "triton")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, "triton")
     assert meta.block_table is not None and meta.token_request is not None
     assert meta.token_position is not None
     width = meta.block_table.shape[1]
-    table = torch.tensor([t + [scratch] * (width - len(t)) for t in padded_tables])
-    requests = torch.cat([meta.token_request, torch.tensor(pad_requests)])
-    positions = torch.cat([meta.token_position, torch.zeros(num_padded, dtype=torch.int32)])
-    q_padded = torch.cat([q, torch.randn(num_padded, heads, head_dim)])
+    table = [t + [scratch] * (width - len(t)) for t in padded_tables]
+    requests = meta.token_request.tolist() + pad_requests
+    positions = meta.token_position.tolist() + [0] * num_padded
+    q_padded = torch.cat([q, torch.randn(num_padded, heads, head_dim, device=DEVICE)])
     cache.kv.index_copy_(0, meta.slot_mapping, kv)
     out = triton_attention.paged_attention(
         q_padded,
         cache.kv,
-        table.to(torch.int32),
-        requests.to(torch.int32),
-        positions.to(torch.int32),
+        torch.tensor(table, dtype=torch.int32, device=DEVICE),
+        torch.tensor(requests, dtype=torch.int32, device=DEVICE),
+        torch.tensor(positions, dtype=torch.int32, device=DEVICE),
         block_size,
         SCALE,
     )
-    expected = ref_attention(q, cache.kv, query_lens, seq_lens, tables, block_size)
-    torch.testing.assert_close(out[:3].double(), expected, atol=1e-5, rtol=1e-5)
+    expected = ref_attention(q.cpu(), cache.kv.cpu(), query_lens, seq_lens, tables, block_size)
+    torch.testing.assert_close(out[:3].cpu().double(), expected, atol=1e-5, rtol=1e-5)
     scratch_v = cache.kv[scratch * block_size, 1].repeat_interleave(heads // kv_heads, 0)
     for row in range(3, 3 + num_padded):
         torch.testing.assert_close(out[row], scratch_v)
 
 
-def test_backend_resolution_under_the_interpreter() -> None:
-    assert resolve_attention_backend("triton", "cpu", torch.float32) == "triton"
-    assert resolve_attention_backend("triton", "cpu", torch.bfloat16) == "triton"
+def test_backend_resolution() -> None:
+    """ "triton" on a GPU, or on a CPU under the interpreter; "auto" picks it on CUDA only."""
+    assert resolve_attention_backend("triton", DEVICE, torch.float32) == "triton"
+    assert resolve_attention_backend("triton", DEVICE, torch.bfloat16) == "triton"
+    assert resolve_attention_backend("auto", "cuda", torch.bfloat16) == "triton"
     assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "sdpa"
 
 
 def test_greedy_tokens_equal_sdpa(tiny_llama_dir: Path) -> None:
-    """The whole engine on the Triton backend (interpreted) against SDPA in fp32: chunked
-    prompts, decodes beside prefills and a prefix-cache hit give the same greedy tokens."""
+    """The whole engine on the Triton backend against SDPA in fp32: chunked prompts,
+    decodes beside prefills and a prefix-cache hit give the same greedy tokens."""
     from modelship import LLM, SamplingParams
 
     prompts = ["The quick brown fox", "Paged attention reads keys and values through", "Mod"]
@@ -182,6 +184,7 @@ def test_greedy_tokens_equal_sdpa(tiny_llama_dir: Path) -> None:
     for backend in ("sdpa", "triton"):
         llm = LLM(
             tiny_llama_dir,
+            device=DEVICE,
             dtype="float32",
             kv_cache_dtype="float32",
             attention_backend=backend,

@@ -328,8 +328,8 @@ def _resolve_triton(backend: str, device_type: str, cache_dtype: torch.dtype) ->
 
         if not triton_attention.INTERPRETED:
             raise ValueError(
-                "TRITON_INTERPRET=1 was set after modelship.model.triton_attention was "
-                "imported: its kernels are compiled for a GPU"
+                "TRITON_INTERPRET=1 was set after triton (or modelship.model."
+                "triton_attention) was first imported: set it before"
             )
         return "triton"
     raise ValueError(

@@ -190,9 +190,12 @@ def _paged_attention_kernel(
             )  # fmt: skip
 
 
-# Triton reads TRITON_INTERPRET when it decorates a kernel, i.e. when this module is imported:
-# True means the kernels run in Triton's interpreter (numpy, CPU tensors; for tests).
-INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction)
+# True: the kernels run in Triton's interpreter (numpy, CPU tensors; for tests). Triton reads
+# TRITON_INTERPRET when it decorates a kernel: its own library's (tl.max, ...) when triton is
+# first imported, ours when this module is; both must have seen it.
+INTERPRETED = not isinstance(_paged_attention_kernel, JITFunction) and not isinstance(
+    tl.standard.max, JITFunction
+)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

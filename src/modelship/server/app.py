@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from modelship.engine import AsyncLLMEngine, EngineCoreClient, SamplingParams
 from modelship.server import protocol as p
@@ -21,6 +22,7 @@ from modelship.server.errors import (
     APIError,
     AuthenticationError,
     BadRequestError,
+    RouteError,
     UnavailableError,
 )
 from modelship.server.limits import RequestLimitsConfig
@@ -98,8 +100,22 @@ def create_app(
         if first.get("type") == "json_invalid":
             return _error_response(_BadJSON())
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        message = first.get("msg", "invalid request")
+        if loc:  # else a whole-body check, whose message names the field itself
+            message = f"{'.'.join(loc)}: {message}"
         return _error_response(BadRequestError(message, ".".join(loc) or None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI's and Starlette's own refusals, which would answer {"detail": ...}: a body
+        # that is no JSON it could decode (400: not UTF-8, nested past the recursion limit,
+        # an integer of more than 4300 digits), an unknown path, a method a route lacks.
+        if exc.status_code == 400:
+            return _error_response(_BadJSON())
+        error = RouteError(
+            exc.status_code, request.method, request.url.path, str(exc.detail), exc.headers
+        )
+        return _error_response(error)
 
     @app.get("/health")
     async def health() -> Response:

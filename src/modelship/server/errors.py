@@ -54,6 +54,30 @@ class OverloadedError(APIError):
         return "engine_overloaded"
 
 
+class RouteError(APIError):
+    """The framework's own refusal of a request no route takes (unknown path: 404, a
+    method the route lacks: 405); `detail` is its text for any other status."""
+
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self,
+        status_code: int,
+        method: str,
+        path: str,
+        detail: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        messages = {404: f"Invalid URL ({method} {path}).",
+                    405: f"Method {method} is not allowed on {path}."}  # fmt: skip
+        super().__init__(messages.get(status_code, detail), headers=headers)
+        self.status_code = status_code
+
+    @property
+    def code(self) -> str | None:
+        return {404: "not_found", 405: "method_not_allowed"}.get(self.status_code)
+
+
 class UnavailableError(APIError):
     status_code = 503
     error_type = "service_unavailable"

@@ -6,7 +6,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_id(prefix: str) -> str:
@@ -17,9 +18,61 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def lone_surrogate_path(data: Any) -> str | None:
+    """The path (`messages.0.content`) of a string or key in `data` holding a lone
+    surrogate, or None. JSON can spell one (`"\\ud800"`) and Python parses it, but it is no
+    text: the tokenizer refuses it, and so does the UTF-8 encoder of any response that
+    echoes it (the path itself is written with backslash escapes). Iterative: a body nested
+    a thousand deep must not overflow the stack."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, list):
+            # type(), not isinstance: a token id prompt may list 100k ints (parsed JSON
+            # holds exact types)
+            stack += [(f"{path}.{i}", item) for i, item in enumerate(value)
+                      if type(item) in _NESTED]  # fmt: skip
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                segment = str(key).encode("utf-8", "backslashreplace").decode()
+                child = f"{path}.{segment}" if path else segment
+                if not _is_text(str(key)):
+                    return child
+                stack.append((child, item))
+    return None
+
+
+_NESTED = (str, dict, list)
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{path}: must be valid Unicode text (it holds a lone surrogate)",
+                {"path": path or "body"},
+            )
+        return data
 
     model: str
     max_tokens: int | None = None

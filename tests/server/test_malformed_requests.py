@@ -1,0 +1,114 @@
+"""Requests the fuzz drill (benchmarks/drill/fuzz.py) found answered with a 500 or a
+non-OpenAI body, answered in-process: each is refused before any engine would see it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from modelship.engine.outputs import EngineStats
+from modelship.engine.tokenizer import Tokenizer
+from modelship.server.app import create_app
+
+MODEL = "tiny"
+
+
+class RefusingEngine:
+    """Stands in for the engine: every request of these tests is refused before it."""
+
+    is_dead = False
+    max_model_len = 256
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def stats(self) -> EngineStats:
+        raise AssertionError("no metrics in these tests")
+
+    async def add_request(self, *args, **kwargs):
+        raise AssertionError("a malformed request reached the engine")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir: Path) -> TestClient:
+    engine = RefusingEngine(Tokenizer.from_folder(tiny_llama_dir))
+    # Not entered as a context manager: no lifespan, so no warm-up request.
+    return TestClient(create_app(engine, MODEL), raise_server_exceptions=False)
+
+
+def post(client: TestClient, path: str, raw: str | bytes):
+    return client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+def assert_openai_error(response, status: int, fragment: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert fragment in error["message"], error
+    return error
+
+
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "where"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": ["fine", "\udfff"]}, "prompt.1"),
+        ("/v1/completions", {"model": "\ud800"}, "model"),
+        ("/v1/completions", {"stop": ["\ud800"]}, "stop.0"),
+        ("/v1/completions", {"user": "\ud800"}, "user"),
+        ("/v1/completions", {"metadata": {"\ud800": 1}}, "metadata.\\ud800"),  # escaped
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+         "messages.0.content"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages.0.content.0.text"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_are_400_naming_where(client, path, fields, where) -> None:
+    """JSON can escape a lone surrogate and Python parses it; the tokenizer (TypeError) and
+    the UTF-8 encoding of an error that echoed it (the model name) answered 500."""
+    body = (CHAT if "chat" in path else COMPLETION) | fields
+    response = post(client, path, json.dumps(body))  # ASCII: the escapes stay escapes
+    assert_openai_error(response, 400, f"{where}: must be valid Unicode")
+
+
+def test_surrogate_pairs_are_text(client) -> None:
+    """A pair escaped as two halves is one character, not a lone surrogate: it goes on to
+    the usual checks (here the model name: 404)."""
+    raw = json.dumps(COMPLETION | {"prompt": "🙂", "model": "other"})
+    assert "\\ud83d\\ude42" in raw
+    response = post(client, "/v1/completions", raw)
+    assert_openai_error(response, 404, "does not exist")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "tiny", "prompt": "\xff\xfe"}',  # not UTF-8
+        b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # too deep
+        b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # > 4300 digits
+    ],
+    ids=["non-utf8", "nested", "5000-digit-integer"],
+)
+def test_bodies_the_json_decoder_refuses_are_openai_400s(client, raw: bytes) -> None:
+    """FastAPI answers these {"detail": "There was an error parsing the body"}."""
+    response = post(client, "/v1/completions", raw)
+    error = assert_openai_error(response, 400, "parse the JSON")
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_paths_and_methods_are_openai_errors(client) -> None:
+    """Starlette's router answered {"detail": "Not Found"} / {"detail": "Method Not Allowed"}."""
+    error = assert_openai_error(client.post("/v1/embeddings", json={}), 404, "/v1/embeddings")
+    assert error["code"] == "not_found"
+    response = client.get("/v1/completions")
+    error = assert_openai_error(response, 405, "GET is not allowed")
+    assert error["code"] == "method_not_allowed"
+    assert response.headers["allow"] == "POST"

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -68,8 +69,15 @@ def create_gateway_app(
             return error.response()
         return Response(service.metrics.render(with_tenants), media_type=CONTENT_TYPE)
 
-    async def not_found(request: Request, _exc: Exception) -> Response:
-        return GatewayError(404, f"Unknown path {request.url.path}.", code="not_found").response()
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own refusals (plain text otherwise) as OpenAI error bodies.
+        method, path = request.method, request.url.path
+        if exc.status_code == 405:
+            error = GatewayError(405, f"Method {method} is not allowed on {path}.",
+                                 code="method_not_allowed")  # fmt: skip
+            return error.response(headers=exc.headers)
+        return GatewayError(exc.status_code, f"Invalid URL ({method} {path}).",
+                            code="not_found").response()  # fmt: skip
 
     routes = [
         Route("/v1/chat/completions", completions, methods=["POST"]),
@@ -79,7 +87,7 @@ def create_gateway_app(
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})
     app.state.service = service
     return app
 

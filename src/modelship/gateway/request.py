@@ -28,7 +28,9 @@ class GatewayError(Exception):
     code: str | None = None
     retry_after_s: float | None = None
 
-    def response(self, request_id: str | None = None) -> JSONResponse:
+    def response(
+        self, request_id: str | None = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         body = {
             "error": {
                 "message": self.message,
@@ -37,7 +39,7 @@ class GatewayError(Exception):
                 "code": self.code,
             }
         }
-        headers = {}
+        headers = dict(headers or {})
         if self.retry_after_s is not None:
             headers["retry-after"] = retry_after_header(self.retry_after_s)
         if request_id:
@@ -97,7 +99,8 @@ def parse_request(
 ) -> ParsedRequest:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    # ValueError: not JSON, not UTF-8, or an integer past Python's 4300-digit limit.
+    except (ValueError, RecursionError):
         raise GatewayError(400, "We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.")

@@ -1,0 +1,55 @@
+"""Requests the fuzz drill (benchmarks/drill/fuzz.py) found the gateway answering with a 500
+or a plain-text body, answered in-process (no replica is ever asked)."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from modelship.gateway.app import create_gateway_app
+from modelship.gateway.config import GatewayConfig, RequestLimitsConfig
+from modelship.gateway.pool import EndpointPool
+from modelship.gateway.request import GatewayError, parse_request
+from modelship.gateway.service import GatewayService
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # > 4300 digits
+        b'{"model": "m", "prompt": "\xff\xfe"}',  # not UTF-8
+        b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # too deep
+    ],
+    ids=["5000-digit-integer", "non-utf8", "nested"],
+)
+def test_bodies_the_json_decoder_refuses_are_400s(raw: bytes) -> None:
+    """json.loads raises a plain ValueError for an integer past Python's digit limit: it
+    escaped the handler (which named only JSONDecodeError) and answered 500."""
+    with pytest.raises(GatewayError) as info:
+        parse_request(raw, "/v1/completions", None, RequestLimitsConfig())
+    assert info.value.status_code == 400
+    assert "parse the JSON" in info.value.message
+
+
+@pytest.fixture
+def client() -> TestClient:
+    config = GatewayConfig()
+    service = GatewayService(config, EndpointPool(config.resilience))
+    # Not entered as a context manager: no lifespan, no health checks, no replica.
+    return TestClient(create_gateway_app(service, health_checks=False))
+
+
+def test_a_method_a_route_lacks_is_an_openai_405(client: TestClient) -> None:
+    """Starlette answered a plain-text "Method Not Allowed"."""
+    response = client.get("/v1/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    error = response.json()["error"]
+    assert error["code"] == "method_not_allowed"
+    assert "GET is not allowed on /v1/completions" in error["message"]
+
+
+def test_an_unknown_path_is_an_openai_404(client: TestClient) -> None:
+    response = client.post("/v1/embeddings", json={})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"

@@ -299,3 +299,25 @@ def test_failed_generate_leaves_the_engine_clean(
     with pytest.raises(ValueError):
         llm.generate([PROMPTS[0], [10**9]], params)
     assert not engine.has_unfinished()
+
+
+def test_a_request_failing_inside_the_step_fails_alone(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose processing raises inside the step (injected) ends with
+    finish_reason "error" and its blocks freed; the requests beside it finish normally
+    (found by the engine-faults drill: any such error used to stop the whole engine)."""
+    from modelship.engine.faults import FAULTS_ENV
+
+    monkeypatch.setenv(FAULTS_ENV, "raise=300")
+    llm = LLM(tiny_llama_dir, dtype="float32", block_size=4, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)
+    normal, poison = [5, 6, 7, 8, 9], [5, 6, 300, 8, 9]
+    outputs = llm.generate([normal, poison, normal], params)
+    assert [c.finish_reason for c in outputs[0].outputs] == ["length", "length"]
+    assert [c.finish_reason for c in outputs[1].outputs] == ["error", "error"]
+    assert outputs[2].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.block_manager.check_integrity()

@@ -80,6 +80,14 @@ def serve(
     grace_period: Annotated[
         float, typer.Option(help="Seconds to finish requests on SIGTERM.")
     ] = 30.0,
+    stall_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Seconds one engine step may take before the replica reports itself "
+            "stalled (/ready and /health 503, so it is routed around and restarted).",
+        ),
+    ] = 120.0,
     fd: Annotated[
         int | None,
         typer.Option(
@@ -145,6 +153,7 @@ def serve(
         sock=socket.socket(fileno=fd) if fd is not None else None,
         limits=limits,
         engine_process=engine_process,
+        stall_timeout_s=stall_timeout,
     )
     if code:
         raise typer.Exit(code)

@@ -21,6 +21,7 @@ _EXPORTS = {
     "InvalidParamsError": "modelship.engine.sampling_params",
     "LLMEngine": "modelship.engine.llm_engine",
     "RequestOutput": "modelship.engine.outputs",
+    "RequestFailedError": "modelship.engine.errors",
     "RequestTooLongError": "modelship.engine.errors",
     "SamplingParams": "modelship.engine.sampling_params",
     "SequenceDelta": "modelship.engine.outputs",

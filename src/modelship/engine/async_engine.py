@@ -20,13 +20,14 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelship.engine.config import EngineConfig
-from modelship.engine.errors import EngineDeadError
+from modelship.engine.errors import EngineDeadError, RequestFailedError
 from modelship.engine.llm_engine import LLMEngine
 from modelship.engine.outputs import EngineStats, SequenceDelta
 from modelship.engine.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="modelship-engine", daemon=True)
         self._stopped = threading.Event()
+        self._step_started: float | None = None  # monotonic time; None between steps
         self._thread.start()
 
     @classmethod
@@ -82,6 +84,13 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the last step (running, waiting, KV usage, ...)."""
         return self._stats
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds the step now running has taken (0 between steps): a step that never
+        ends is a wedged engine."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     @property
     def is_dead(self) -> bool:
@@ -141,7 +150,9 @@ class AsyncLLMEngine:
                     return
                 if not self.engine.has_unfinished():
                     continue
+                self._step_started = time.monotonic()
                 deltas = self.engine.step()
+                self._step_started = None
                 self._stats = self.engine.stats()
                 for delta in deltas:
                     self._dispatch(delta)
@@ -222,13 +233,17 @@ async def stream_deltas(
     deltas: asyncio.Queue[SequenceDelta | BaseException], n: int, abort: Callable[[], None]
 ) -> AsyncIterator[SequenceDelta]:
     """One request's deltas from `deltas` until its `n` sequences finish; an exception put
-    in the queue is raised. Closed before that (the client went away), it calls `abort`."""
+    in the queue, or a delta with an error, is raised. Closed before that (the client went
+    away), it calls `abort`."""
     remaining = n
     try:
         while remaining:
             item = await deltas.get()
             if isinstance(item, BaseException):
                 raise item
+            if item.error is not None:  # this request failed inside the step; others go on
+                remaining -= 1
+                raise RequestFailedError(item.error)
             if item.finished:
                 remaining -= 1
             yield item

@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -100,9 +101,10 @@ class EngineCore:
                 if message is None:
                     return
                 self._apply(message, acks, deltas)
-            if engine.has_unfinished():
+            stepped = engine.has_unfinished()
+            if stepped:
                 deltas.extend(engine.step())
-            if acks or deltas:
+            if acks or deltas or stepped:  # a step without deltas still says "alive"
                 self.outbox.send(("step", acks, deltas, engine.stats()))
 
     def _apply(self, message: tuple, acks: list, deltas: list) -> None:
@@ -195,6 +197,7 @@ class EngineCoreClient:
         self._ready: asyncio.Future[None] | None = None
         self._error: EngineDeadError | None = None
         self._crashed = False
+        self._last_heard = time.monotonic()  # when the core last sent anything
 
     @classmethod
     def from_model(cls, model_path: str | Path, config: EngineConfig | None = None):
@@ -220,6 +223,14 @@ class EngineCoreClient:
     def is_dead(self) -> bool:
         """True once the core has stopped (died or shut down); never false again."""
         return self._error is not None
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds the core has been silent while requests are open (0 when idle): it
+        reports after every step, so a long silence means a wedged step."""
+        if not self._streams and not self._admissions:
+            return 0.0
+        return time.monotonic() - self._last_heard
 
     @property
     def crashed(self) -> bool:
@@ -298,6 +309,7 @@ class EngineCoreClient:
             self._fail(EngineDeadError(f"the engine core exited (code {code})"))
 
     def _handle(self, message: tuple) -> None:
+        self._last_heard = time.monotonic()
         kind = message[0]
         if kind == "step":
             _, acks, deltas, self._stats = message

@@ -20,3 +20,8 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (an unexpected error, or shutdown): every open request
     fails with it and new ones are refused at once; the server answers 503 and reports
     itself not ready and unhealthy, so a supervisor restarts the replica."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine step (its sequences were aborted, the others
+    went on); maps to 500."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from modelship.engine.cuda_graphs import (
     graph_capture_error,
 )
 from modelship.engine.detokenizer import IncrementalDetokenizer
+from modelship.engine.faults import FaultInjection
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
@@ -119,6 +120,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        self._faults = FaultInjection.from_env()  # drills only
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(self.config.seed)
         logger.info(
@@ -284,12 +286,31 @@ class LLMEngine:
             request.prompt_logprobs.extend(chunk.entries[max(0, known - chunk.first) :])
         deltas = []
         for row, seq in enumerate(output.sampled_seqs):
-            deltas.append(self._process_sampled(seq, row, output.sampler_output))
+            if seq.seq_id not in self._seq_owner:
+                continue  # a sibling of a request that failed earlier in this loop
+            try:
+                deltas.append(self._process_sampled(seq, row, output.sampler_output))
+            except Exception as exc:  # this request alone fails; the batch goes on
+                deltas.extend(self._fail(seq, exc))
         self._release_held_back()
         return deltas
 
+    def _fail(self, seq: Sequence, exc: Exception) -> list[SequenceDelta]:
+        """End the request of `seq` with an error: its sequences are aborted (blocks
+        freed) and each one without its last delta yet gets one, finish_reason "error"."""
+        request, index = self._seq_owner[seq.seq_id]
+        logger.exception("request %s failed inside the step", request.request_id)
+        message = f"{type(exc).__name__}: {exc}"
+        finished_now = seq.is_finished  # by this step: `abort` skips it, yet it had no delta
+        deltas = self.abort(request.request_id)
+        if finished_now:
+            deltas.append(self._delta(request, index, [], "", None, "abort", None))
+        return [replace(d, finish_reason="error", error=message) for d in deltas]
+
     def _process_sampled(self, seq: Sequence, row: int, sampler_output) -> SequenceDelta:
         request, index = self._seq_owner[seq.seq_id]
+        if self._faults is not None:
+            self._faults.on_sampled(request.prompt_token_ids)
         token_id = seq.token_ids[-1]
         detokenizer = request.detokenizers[index]
         detokenized = detokenizer.update([token_id])

@@ -20,7 +20,7 @@ class SequenceDelta:
 
     `text` holds only the newly detokenized text (it may be empty while a partial UTF-8
     character or a possible stop string is held back); `finish_reason` is set on the
-    sequence's last delta ("stop", "length" or "abort").
+    sequence's last delta ("stop", "length", "abort", or "error" with `error` set).
     """
 
     request_id: str
@@ -37,6 +37,8 @@ class SequenceDelta:
     # Per prompt position (None for the first token), on a sequence's first delta when
     # `SamplingParams.prompt_logprobs` is set.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With finish_reason "error": why the request failed inside the step (it alone).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -80,6 +82,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With finish_reason "error": why the request failed inside the step (it alone).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -52,8 +52,13 @@ def create_app(
     api_key: str | None = None,
     max_model_len: int | None = None,
     limits: RequestLimitsConfig | None = None,
+    stall_timeout_s: float = 120.0,
 ) -> FastAPI:
-    """Build the OpenAI-compatible app for one engine (warm-up runs at startup)."""
+    """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
+
+    An engine step running longer than `stall_timeout_s` is taken for a wedged engine:
+    /ready and /health answer 503 ("stalled"), so routers stop sending it requests and a
+    supervisor restarts the replica."""
     state = ServerState()
     metrics = ServerMetrics(engine.stats, model_name, variant)
     serving = OpenAIServing(
@@ -117,16 +122,21 @@ def create_app(
         )
         return _error_response(error)
 
+    def stalled() -> bool:
+        return engine.stalled_s > stall_timeout_s
+
     @app.get("/health")
     async def health() -> Response:
-        # A dead engine thread never recovers: unhealthy, so a supervisor restarts us.
-        return Response(status_code=503 if engine.is_dead else 200)
+        # A dead or wedged engine never recovers: unhealthy, so a supervisor restarts us.
+        return Response(status_code=503 if engine.is_dead or stalled() else 200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        ok = state.ready and not state.draining and not engine.is_dead
+        ok = state.ready and not state.draining and not engine.is_dead and not stalled()
         if engine.is_dead:
             status = "dead"
+        elif stalled():
+            status = "stalled"
         else:
             status = "ready" if ok else ("draining" if state.draining else "starting")
         return JSONResponse({"status": status}, status_code=200 if ok else 503)

@@ -58,15 +58,24 @@ def serve(
     sock: socket.socket | None = None,
     limits: RequestLimitsConfig | None = None,
     engine_process: bool = True,
+    stall_timeout_s: float = 120.0,
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
     (a bound socket handed over by the parent process), listen on it instead of binding
     `host`/`port`. `engine_process`: the engine core runs in its own process (else on a
-    thread of this one); if it dies, the open requests fail and the server exits 1."""
+    thread of this one); if it dies, the open requests fail and the server exits 1. A step
+    running past `stall_timeout_s` makes /ready and /health answer 503."""
     engine_type = EngineCoreClient if engine_process else AsyncLLMEngine
     engine = engine_type.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
-    app = create_app(engine, name, variant=variant, api_key=api_key, limits=limits)
+    app = create_app(
+        engine,
+        name,
+        variant=variant,
+        api_key=api_key,
+        limits=limits,
+        stall_timeout_s=stall_timeout_s,
+    )
     config = uvicorn.Config(
         app,
         host=host,

@@ -15,6 +15,7 @@ from modelship.engine import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidParamsError,
+    RequestFailedError,
     RequestTooLongError,
     SamplingParams,
     SequenceDelta,
@@ -22,6 +23,7 @@ from modelship.engine import (
 from modelship.engine.outputs import TokenLogprob
 from modelship.server import protocol as p
 from modelship.server.errors import (
+    APIError,
     BadRequestError,
     ModelNotFoundError,
     OverloadedError,
@@ -190,6 +192,8 @@ class OpenAIServing:
                     yield self._observe(delta, arrival, last)
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
+        except RequestFailedError as exc:  # it alone failed; the server goes on
+            raise APIError(f"the request failed inside the engine: {exc}") from exc
         finally:
             for _ in range(num_unfinished):  # closed early: the engine aborts these
                 self.metrics.request_finished("abort")

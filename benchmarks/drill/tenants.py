@@ -1,0 +1,163 @@
+"""Drill 7, tenant isolation, through `modelship up` with two tenants (A, B) and a
+replica key made up by the fleet:
+
+- A's key acts as A only: a header or body field naming B changes nothing, and a key
+  that is almost A's is refused;
+- B's model allow list holds for B (a model it may not use is refused, with an OpenAI
+  error body) and does not limit A;
+- B's rate budget runs out for B alone: B gets 429 with Retry-After, A goes on;
+- the prefix cache is per tenant: A's repeated prompt hits A's blocks, B's same prompt
+  never does (so the timing of a hit cannot reveal A's prompt to B), and A's greedy
+  answer is identical with and without the hit;
+- no key appears in the logs, in /metrics (with or without the metrics key) or in any
+  error body the drill provoked.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from modelship.gateway import hash_api_key
+from modelship.storage import Storage
+
+from drill.common import DrillContext, DrillResult, is_openai_error, secrets_found
+from fleet_process import UpProcess
+from fleet_storage import publish_release
+
+SLUG = "drill"
+KEY_A, KEY_B, METRICS_KEY = "sk-drill-tenant-a-0123", "sk-drill-tenant-b-4567", "sk-drill-m-89"
+PROMPT = "Prefix caching reuses the key and value blocks of a prompt seen before. " * 3
+
+
+def run(context: DrillContext) -> DrillResult:
+    result = DrillResult("tenants")
+    storage = Storage(context.work_dir / "storage")
+    storage.set_production(SLUG, publish_release(storage, SLUG, context.model_dir, "fp16"))
+    config = {
+        "serve": {"engine": {"max_model_len": 256, "kv_cache_memory_mb": 16}},
+        "gateway": {
+            "tenants": [
+                {"name": "a", "api_key_sha256": hash_api_key(KEY_A)},
+                {"name": "b", "api_key_sha256": hash_api_key(KEY_B), "requests_per_minute": 3,
+                 "allowed_models": ["another-model"]},
+            ],
+            "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
+        },
+        "autoscale": {"min_replicas": 1, "max_replicas": 1},
+    }  # fmt: skip
+    up = UpProcess(config, storage.root, SLUG, context.work_dir)
+    bodies: list[str] = []
+    try:
+        up.wait_ready(timeout_s=180)
+        _keys(up, result, bodies)
+        _allow_list_and_budget(up, result, bodies)
+        _prefix_cache(up, result)
+        metrics = [
+            httpx.get(f"{up.url}/metrics", timeout=10).text,
+            httpx.get(f"{up.url}/metrics", headers=_auth(METRICS_KEY), timeout=10).text,
+        ]
+    finally:
+        code = up.stop()
+    result.check("the fleet stops cleanly", code == 0, f"exit {code}")
+    leaks = secrets_found([up.log_path], [KEY_A, KEY_B, METRICS_KEY])
+    leaks += [f"/metrics: {k[:6]}..." for k in (KEY_A, KEY_B) for text in metrics if k in text]
+    leaks += [f"error body: {k[:6]}..." for k in (KEY_A, KEY_B) for b in bodies if k in b]
+    result.check("no key in logs, metrics or error bodies", not leaks, "; ".join(leaks))
+    result.figures["error_bodies_checked"] = len(bodies)
+    return result
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def _ask(up: UpProcess, key: str, model: str = SLUG, prompt: str = "Hello", **extra):
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+    headers = {**_auth(key), **extra.pop("headers", {})} if "headers" in extra else _auth(key)
+    return httpx.post(f"{up.url}/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def _keys(up: UpProcess, result: DrillResult, bodies: list[str]) -> None:
+    near = _ask(up, KEY_A[:-1] + "X")
+    missing = httpx.post(f"{up.url}/v1/completions", json={"model": SLUG, "prompt": "x"},
+                         timeout=30)  # fmt: skip
+    bodies += [near.text, missing.text]
+    result.check(
+        "a key one character off, or none, is refused (401, OpenAI error body)",
+        near.status_code == missing.status_code == 401 and is_openai_error(near),
+        f"{near.status_code} / {missing.status_code}",
+    )
+    up.metrics_key = METRICS_KEY  # per-tenant series need the metrics key
+    before = up.metric("modelship_gateway_requests_total", tenant="b")
+    spoofed = httpx.post(
+        f"{up.url}/v1/completions",
+        json={"model": SLUG, "prompt": "Hello", "max_tokens": 2, "user": "b"},
+        headers={**_auth(KEY_A), "x-modelship-tenant": "b", "x-tenant": "b"},
+        timeout=60,
+    )
+    after = up.metric("modelship_gateway_requests_total", tenant="b")
+    result.check(
+        "A's key naming B (header, user field) is still A: nothing is charged to B",
+        spoofed.status_code == 200 and after == before,
+        f"{spoofed.status_code}; B's requests {before} -> {after}",
+    )
+
+
+def _allow_list_and_budget(up: UpProcess, result: DrillResult, bodies: list[str]) -> None:
+    refused = _ask(up, KEY_B)
+    bodies.append(refused.text)
+    result.check(
+        "B may not use a model off its allow list (4xx, OpenAI error body)",
+        400 <= refused.status_code < 500 and refused.status_code != 429
+        and is_openai_error(refused),
+        f"{refused.status_code} {refused.text[:200]}",
+    )  # fmt: skip
+    result.check("A is not limited by B's allow list", _ask(up, KEY_A).status_code == 200)
+    codes = []
+    for _ in range(6):
+        response = _ask(up, KEY_B, model="another-model")
+        bodies.append(response.text)
+        codes.append((response.status_code, response.headers.get("retry-after")))
+    limited = [c for c in codes if c[0] == 429]
+    result.check(
+        "B's rate budget runs out: 429 with Retry-After",
+        bool(limited) and all(retry for _, retry in limited),
+        str(codes),
+    )
+    a_after = [_ask(up, KEY_A).status_code for _ in range(3)]
+    result.check("A goes on while B is limited", a_after == [200] * 3, str(a_after))
+
+
+def _prefix_hits(up: UpProcess) -> float:
+    (replica,) = up.replicas()
+    text = httpx.get(f"{up.replica_url(replica)}/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("modelship:prefix_cache_hits_total")
+    )
+
+
+def _prefix_cache(up: UpProcess, result: DrillResult) -> None:
+    hits = []
+    texts = []
+    for key in (KEY_A, KEY_B, KEY_A):
+        before = _prefix_hits(up)
+        model = SLUG if key == KEY_A else "another-model"
+        body = {"model": SLUG, "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 12, "temperature": 0}  # fmt: skip
+        if key == KEY_B:
+            body["model"] = model
+        response = httpx.post(f"{up.url}/v1/chat/completions", json=body, headers=_auth(key),
+                              timeout=60)  # fmt: skip
+        hits.append(_prefix_hits(up) - before)
+        texts.append(response.json()["choices"][0]["message"]["content"]
+                     if response.status_code == 200 else f"<{response.status_code}>")  # fmt: skip
+    result.figures["prefix_hits_a_b_a"] = [int(h) for h in hits]
+    result.check("A's repeated prompt hits A's cached prefix", hits[2] > 0, str(hits))
+    result.check("B's same prompt never hits A's blocks", hits[1] == 0, str(hits))
+    result.check(
+        "A's greedy answer is identical with and without a prefix hit",
+        texts[0] == texts[2],
+        f"{texts[0]!r} vs {texts[2]!r}",
+    )

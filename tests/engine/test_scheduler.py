@@ -218,3 +218,28 @@ def test_eos_and_stop_token_ids_finish_with_stop() -> None:
     step(scheduler, token=EOS)
     _, finished = step(scheduler, token=EOS)
     assert finished == [ignore] and ignore.finish_reason == "length"
+
+
+def test_a_higher_priority_takes_the_seat_of_a_lower_one() -> None:
+    """All seats taken by low priority: a high-priority arrival runs in the next step (the
+    newest low one is preempted and finishes later), instead of waiting for a low one to
+    finish its answer; equal priorities never preempt each other for a seat."""
+    scheduler = make(max_num_batched_tokens=32, max_num_seqs=2)
+    scheduler.add_request(request("low-1", 4, max_tokens=20, base=10))
+    scheduler.add_request(request("low-2", 4, max_tokens=20, base=20))
+    step(scheduler)
+    scheduler.add_request(request("low-3", 4, max_tokens=2, base=30))
+    step(scheduler)
+    assert {s.seq_id for s in scheduler.running} == {"low-1", "low-2"}  # no seat taken
+    scheduler.add_request(request("high", 4, max_tokens=2, priority=5, base=40))
+    plan, _ = step(scheduler)
+    assert "high" in {s.seq.seq_id for s in plan.scheduled}
+    assert {s.seq_id for s in scheduler.running} == {"high", "low-1"}
+    finished = []
+    for _ in range(80):
+        if not scheduler.has_unfinished():
+            break
+        finished += [s.seq_id for s in step(scheduler)[1]]
+    assert finished[0] == "high"
+    assert sorted(finished) == ["high", "low-1", "low-2", "low-3"]
+    assert scheduler.num_preemptions == 1

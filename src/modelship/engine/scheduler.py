@@ -5,7 +5,9 @@ sequence runs `min(num_tokens - num_computed_tokens, remaining budget)` tokens, 
 computed tokens catch up with its tokens. Running sequences are served first (higher
 priority, then earlier arrival); when one cannot get a block, the lowest-priority, newest
 running sequence is preempted (blocks freed, recomputed later). Waiting sequences are
-admitted only in steps without preemption, so admission never evicts running work.
+admitted only in steps without such preemption, so admission never evicts running work of
+the same priority; a higher-priority waiting sequence does take the seat of a lower one
+when all `max_num_seqs` are taken.
 """
 
 from __future__ import annotations
@@ -128,6 +130,16 @@ class Scheduler:
         prefill_budget = budget
         if num_decoding:
             prefill_budget = max(0, min(self.config.max_prefill_chunk, budget - num_decoding))
+        # Every seat taken and a higher priority waiting: the lowest-priority, newest
+        # running sequence gives up its seat (recomputed later, its prompt blocks likely
+        # still in the prefix cache), so a high-priority request waits for one step, not
+        # for a low-priority one to finish its whole answer.
+        while (
+            self.waiting
+            and len(self.running) >= self.config.max_num_seqs
+            and self.waiting[0].priority > self.running[-1].priority
+        ):
+            self._preempt(self.running[-1])
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -21,6 +21,7 @@ import importlib
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,7 +68,7 @@ def run(names: list[str], context: DrillContext) -> list[DrillResult]:
     results = []
     for name in names:
         module = importlib.import_module(available_drills()[name])
-        drill_context = DrillContext(context.model_dir, context.work_dir / name, context.quick)
+        drill_context = replace(context, work_dir=context.work_dir / name)
         result = run_drill(name, module.run, drill_context)
         results.append(result)
         figures = ", ".join(f"{k}={v}" for k, v in result.figures.items())
@@ -80,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="comma-separated drills (default: all but soak)")
     parser.add_argument("--quick", action="store_true", help="the bounded versions")
+    parser.add_argument("--soak-minutes", type=float, default=20.0, help="the soak's length")
     parser.add_argument("--model", default="demo", help="a model folder, demo or tiny")
     parser.add_argument("--storage", type=Path, default=Path("./modelship-data"))
     parser.add_argument("--work-dir", type=Path, help="kept afterwards (default: a temp dir)")
@@ -96,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="drills-") as temp:
         work_dir = args.work_dir or Path(temp)
         model_dir = resolve_model(args.model, args.storage, work_dir)
-        results = run(names, DrillContext(model_dir, work_dir, args.quick))
+        results = run(names, DrillContext(model_dir, work_dir, args.quick, args.soak_minutes))
     failed = [r for r in results if not r.passed]
     for result in failed:
         for line in result.failures():

@@ -62,6 +62,7 @@ class DrillContext:
     model_dir: Path
     work_dir: Path
     quick: bool = True
+    soak_minutes: float = 20.0  # the soak drill's length
 
 
 Drill = Callable[[DrillContext], DrillResult]

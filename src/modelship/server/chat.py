@@ -15,7 +15,7 @@ async def create_chat_completion(
 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """Validate everything before the engine sees the request; errors raise `APIError`."""
     serving.check_request(request)
-    prompt = serving.chat_prompt(request)
+    prompt = await serving.chat_prompt(request)
     params = serving.sampling_params(request, len(prompt))
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0

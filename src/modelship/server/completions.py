@@ -16,7 +16,7 @@ async def create_completion(
     serving: OpenAIServing, request: p.CompletionRequest, cache_salt: str | None = None
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_request(request)
-    prompts = serving.completion_prompts(request)
+    prompts = await serving.completion_prompts(request)
     params = [serving.sampling_params(request, len(prompt)) for prompt in prompts]
     request_id = p.random_id("cmpl")
     if request.stream:

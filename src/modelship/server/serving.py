@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -71,7 +72,7 @@ class OpenAIServing:
         self.limits.check(request)
 
     # Requests -> engine ----------------------------------------------------------------------
-    def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
         if not request.messages:
             raise BadRequestError("messages must contain at least one message", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
@@ -80,9 +81,9 @@ class OpenAIServing:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
         )
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return (await self.encode([text], add_special_tokens=False))[0]
 
-    def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
@@ -94,9 +95,10 @@ class OpenAIServing:
             raise BadRequestError("prompt must not be empty", "prompt")
         encoded = []
         vocab_size = len(self.tokenizer)
+        texts = iter(await self.encode([item for item in prompts if isinstance(item, str)]))
         for item in prompts:
             if isinstance(item, str):
-                ids = list(self.tokenizer(item).input_ids)
+                ids = next(texts)
             else:
                 ids = list(item)
                 if any(not 0 <= t < vocab_size for t in ids):
@@ -105,6 +107,17 @@ class OpenAIServing:
                 raise BadRequestError("prompt must not be empty", "prompt")
             encoded.append(ids)
         return encoded
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, tokenized on a worker thread. The batch call releases the
+        GIL, so a megabyte of prompt (seconds of tokenizing) no longer stalls every stream
+        and the replica's /ready, which the gateway took for a dead replica."""
+        if not texts:
+            return []
+        encoding = await asyncio.to_thread(
+            self.tokenizer, texts, add_special_tokens=add_special_tokens
+        )
+        return [list(ids) for ids in encoding.input_ids]
 
     def sampling_params(
         self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt_len: int

@@ -18,8 +18,10 @@ class EngineConfig:
     """Knobs of one engine instance.
 
     `dtype` is the compute dtype of the weights and activations; None picks bf16 on CPU
-    (torch's int4/int8 CPU kernels are only fast with bf16 activations) and the
-    checkpoint's dtype on CUDA. The KV cache is kept in `kv_cache_dtype`; None picks fp32
+    (the int4/int8 CPU kernels are only fast with bf16 activations); on CUDA bf16 for
+    W4A16 checkpoints on sm80+ GPUs (the tinygemm int4 kernel is bf16-only), else the
+    checkpoint's half-precision dtype (fp16 for fp32); `model.loader.resolve_dtype` decides.
+    The KV cache is kept in `kv_cache_dtype`; None picks fp32
     on CPU (fp32 SDPA with GQA is fast and exact there, bf16 SDPA is several times slower
     for decode) and the compute dtype on CUDA.
     """
@@ -49,7 +51,8 @@ class EngineConfig:
     # "dense" (`model.quant.int8`)
     lm_head: str = "auto"
     # attention: "auto" (modelship's CPU kernel on an AVX2 CPU with an fp32 cache: batch-
-    # and chunk-invariant, so greedy output is repeatable), "cpu" or "sdpa"
+    # and chunk-invariant, so greedy output is repeatable; on CUDA the Triton kernel where
+    # triton imports), "cpu", "triton" or "sdpa"
     attention_backend: str = "auto"
     # run all decoder layers in one C++ call on CPU-kernel steps where the model allows it
     # (W4A8 projections, no q/k norm; `model.fused_decoder`), else layer by layer in Python
@@ -108,13 +111,6 @@ class EngineConfig:
     def max_graph_batch_size(self) -> int:
         """The largest captured decode batch: no step runs more sequences than this."""
         return min(self.cuda_graph_max_batch_size, self.max_num_seqs, self.max_num_batched_tokens)
-
-    def compute_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        if self.dtype is not None:
-            return _DTYPES[self.dtype]
-        if self.torch_device.type == "cpu":
-            return torch.bfloat16
-        return checkpoint_dtype if checkpoint_dtype.is_floating_point else torch.float16
 
     def cache_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
         if self.kv_cache_dtype is not None:

@@ -52,7 +52,8 @@ class ModelRunner:
         graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
-        self.attention_backend = attention_backend  # "cpu" or "sdpa", resolved by the engine
+        # "cpu", "triton" or "sdpa", resolved by the engine
+        self.attention_backend = attention_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device

@@ -112,3 +112,13 @@ def test_unknown_paths_and_methods_are_openai_errors(client) -> None:
     error = assert_openai_error(response, 405, "GET is not allowed")
     assert error["code"] == "method_not_allowed"
     assert response.headers["allow"] == "POST"
+
+
+def test_more_prompts_than_an_idle_replica_could_ever_queue_is_a_400(client) -> None:
+    """2000 prompts (each an engine request) overflowed the waiting queue: a 429 with
+    Retry-After that no retry could ever pass. 64 prompts of n = 16 fill it exactly."""
+    body = COMPLETION | {"prompt": [[1]] * 65}
+    error = assert_openai_error(post(client, "/v1/completions", json.dumps(body)), 400, "64")
+    assert error["param"] == "prompt"
+    body = COMPLETION | {"prompt": list(range(100)), "model": "other"}  # token ids: one prompt
+    assert_openai_error(post(client, "/v1/completions", json.dumps(body)), 404, "other")

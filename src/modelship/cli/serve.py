@@ -77,6 +77,7 @@ def serve(
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
     ] = 16,
     max_stop_chars: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
+    max_prompts: Annotated[int, typer.Option(help="Most prompts per completion request.")] = 64,
     grace_period: Annotated[
         float, typer.Option(help="Seconds to finish requests on SIGTERM.")
     ] = 30.0,
@@ -118,7 +119,7 @@ def serve(
     )
     try:
         validate_model_folder(model_dir)
-        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars)
+        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars, max_prompts)
         options = EngineOptions(
             device=device,
             dtype=dtype,

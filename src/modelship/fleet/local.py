@@ -75,6 +75,7 @@ class LocalFleet:
             "--max-n", str(limits.max_n),
             "--max-stop", str(limits.max_stop),
             "--max-stop-chars", str(limits.max_stop_chars),
+            "--max-prompts", str(limits.max_prompts),
         ]  # fmt: skip
         return ReplicaProcess(
             spec.model_dir,

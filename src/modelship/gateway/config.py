@@ -84,6 +84,7 @@ class RequestLimitsConfig(_Section):
     max_n: int = Field(default=16, ge=1)
     max_stop: int = Field(default=16, ge=1)  # stop strings per request
     max_stop_chars: int = Field(default=256, ge=1)  # characters per stop string
+    max_prompts: int = Field(default=64, ge=1)  # prompts per completion request
 
 
 class GatewayConfig(_Section):

@@ -116,6 +116,8 @@ def parse_request(
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         prompt = read_prompt(body.get("prompt"))
+        if prompt.num_prompts > limits.max_prompts:
+            raise GatewayError(400, f"prompt: at most {limits.max_prompts} prompts per request.")
         max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise GatewayError(400, "max_tokens: must be a positive integer.")

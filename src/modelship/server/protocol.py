@@ -128,6 +128,14 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     echo: bool = False
 
+    @property
+    def num_prompts(self) -> int:
+        """One for a text or a list of token ids; else one per item of the list."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return 1
+        return len(prompt)
+
 
 class Usage(BaseModel):
     prompt_tokens: int

@@ -53,3 +53,14 @@ def test_an_unknown_path_is_an_openai_404(client: TestClient) -> None:
     response = client.post("/v1/embeddings", json={})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
+
+
+def test_more_prompts_than_the_cap_is_a_400() -> None:
+    """The replicas' cap (`max_prompts`), checked before a request is admitted."""
+    limits = RequestLimitsConfig(max_prompts=2)
+    body = b'{"model": "m", "prompt": ["a", "b", "c"]}'
+    with pytest.raises(GatewayError, match="at most 2 prompts") as info:
+        parse_request(body, "/v1/completions", None, limits)
+    assert info.value.status_code == 400
+    ok = b'{"model": "m", "prompt": [[1, 2], [3]]}'
+    assert parse_request(ok, "/v1/completions", None, limits).num_sequences == 2

@@ -5,6 +5,11 @@ filters: the model's view, as OpenAI-style APIs report it) -> greedy rows take t
 random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row
 draws its noise from its own generator, so a seeded request samples the same tokens
 whatever else shares its batch.
+
+A row whose logits hold a NaN, or whose largest logit is infinite, has no distribution to
+sample from (broken weights or an overflow): `sample` raises `NonFiniteLogitsError` naming
+the rows instead of picking a token (argmax would pick the first NaN, token after token,
+and the client would get a plausible-looking answer of garbage).
 """
 
 from __future__ import annotations
@@ -84,6 +89,19 @@ class SamplingMetadata:
         )
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """Some rows' logits are NaN or infinite: no token can be sampled for them. `rows`:
+    their indices in the batch."""
+
+    def __init__(self, rows: list[int], batch_size: int) -> None:
+        super().__init__(
+            f"the model produced NaN or infinite logits for {len(rows)} of {batch_size} "
+            f"sequences (batch rows {rows[:8]}); its weights or activations are broken, "
+            "so no token was sampled"
+        )
+        self.rows = rows
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [batch] int64
@@ -154,9 +172,14 @@ def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
     if m.needs_penalties:
         logits = apply_penalties(logits, m)
     logprobs = top_ids = top_values = None
+    greedy_tokens = logits.argmax(dim=-1)
+    # argmax takes NaN for the largest value: the logit it picks is finite iff the row has
+    # no NaN, no +inf, and is not all -inf. [batch]
+    broken = ~torch.isfinite(logits.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1))
+    if broken.any():
+        raise NonFiniteLogitsError(broken.nonzero().flatten().tolist(), logits.shape[0])
     if m.max_num_logprobs >= 0:
         all_logprobs = logits.log_softmax(dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
     if m.all_greedy:
         token_ids = greedy_tokens
     else:

@@ -122,3 +122,14 @@ def test_more_prompts_than_an_idle_replica_could_ever_queue_is_a_400(client) -> 
     assert error["param"] == "prompt"
     body = COMPLETION | {"prompt": list(range(100)), "model": "other"}  # token ids: one prompt
     assert_openai_error(post(client, "/v1/completions", json.dumps(body)), 404, "other")
+
+
+@pytest.mark.parametrize("value", [1e-300, 1e-3, 0.0, -0.0, 1e3, 1e308])
+def test_repetition_penalties_that_overflow_logits_are_400s(client, value: float) -> None:
+    """1e-300 divided every seen positive logit to +inf: the sampler took the replica's
+    model for broken and stopped its engine (one request took a replica down). 0 was
+    silently served as 1."""
+    body = CHAT | {"repetition_penalty": value}
+    response = post(client, "/v1/chat/completions", json.dumps(body))
+    error = assert_openai_error(response, 400, "repetition_penalty must be in [0.01, 100.0]")
+    assert error["param"] == "repetition_penalty"

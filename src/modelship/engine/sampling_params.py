@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 # OpenAI's APIs), so `seed + index` of every sibling still fits.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
+# Seen tokens' logits are divided (positive) or multiplied (negative) by the penalty: past
+# these bounds a float32 logit overflows to inf (1e-300 made every seen positive logit
+# +inf), which the sampler takes for a broken model and stops the engine on. Useful
+# penalties lie near 1.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class InvalidParamsError(ValueError):
@@ -85,8 +90,9 @@ class SamplingParams:
             ),
             (
                 "repetition_penalty",
-                self.repetition_penalty > 0.0,
-                "repetition_penalty must be positive",
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}]",
             ),
             (
                 "frequency_penalty",

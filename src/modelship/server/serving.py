@@ -157,7 +157,9 @@ class OpenAIServing:
                 seed=request.seed,
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=request.repetition_penalty or 1.0,
+                repetition_penalty=(
+                    1.0 if request.repetition_penalty is None else request.repetition_penalty
+                ),
                 stop=stop,
                 stop_token_ids=list(request.stop_token_ids or []),
                 ignore_eos=request.ignore_eos,

@@ -121,10 +121,15 @@ def run(context: DrillContext) -> DrillResult:
         result.figures["replica_schema_cases"] = tally.num_cases
         send_extremes(server.url, {}, tally)
         _record_tally(result, "replica", tally)
-        slow_clients(result, server.url, MODEL, budget.num_slow_clients, budget.slow_s)
-        silent_readers(result, server.url, server.pid, MODEL, budget.num_silent_readers)
-        disconnects(result, "replica", server.url, server.url, MODEL, budget.num_disconnects)
-        _check_alive(result, "replica", server.url, {}, server.has_exited())
+        healthy = not server.has_exited() and _is_healthy(server.url)
+        result.figures["replica_crashes"] = int(not healthy)
+        result.check("replica: survived the fuzzing (process up, engine healthy)", healthy,
+                     "" if healthy else server.log_tail(8))  # fmt: skip
+        if healthy:  # else the socket drills would only measure a dead replica
+            slow_clients(result, server.url, MODEL, budget.num_slow_clients, budget.slow_s)
+            silent_readers(result, server.url, server.pid, MODEL, budget.num_silent_readers)
+            disconnects(result, "replica", server.url, server.url, MODEL, budget.num_disconnects)
+            _check_answers(result, "replica", server.url, {})
     finally:
         server.stop()
     fuzz_gateway(result, context, spec, budget)
@@ -302,11 +307,17 @@ def fuzz_gateway(result: DrillResult, context: DrillContext, spec: dict, budget:
         result.figures["gateway_schema_cases"] = tally.num_cases
         send_extremes(up.url, headers, tally)
         _record_tally(result, "gateway", tally)
-        count = budget.gateway_disconnects
-        disconnects(result, "gateway", up.url, replica_url, MODEL, count, headers)
         restarts = up.metric("modelship_gateway_replica_restarts_total")
-        alive = up.process.poll() is None and replica.is_running() and restarts == 0
-        _check_alive(result, "gateway", up.url, headers, not alive)
+        healthy = up.process.poll() is None and restarts == 0 and _is_healthy(replica_url)
+        result.figures["gateway_replica_restarts"] = int(restarts)
+        result.check(
+            "gateway: it and its replica survived the fuzzing", healthy,
+            f"replica restarts {restarts:.0f}; logs: {context.work_dir}",
+        )  # fmt: skip
+        if healthy:
+            count = budget.gateway_disconnects
+            disconnects(result, "gateway", up.url, replica_url, MODEL, count, headers)
+            _check_answers(result, "gateway", up.url, headers)
     finally:
         up.stop()
 
@@ -325,12 +336,16 @@ def _record_tally(result: DrillResult, name: str, tally: Tally) -> None:
     )
 
 
-def _check_alive(
-    result: DrillResult, name: str, url: str, headers: dict[str, str], exited: bool
-) -> None:
-    answered = not exited and answers(url, MODEL, headers)
-    result.figures[f"{name}_crashes"] = int(not answered)
-    result.check(f"{name}: alive and answering afterwards", answered, f"exited: {exited}")
+def _check_answers(result: DrillResult, name: str, url: str, headers: dict[str, str]) -> None:
+    result.check(f"{name}: answering afterwards", answers(url, MODEL, headers))
+
+
+def _is_healthy(url: str) -> bool:
+    """/health: 503 once the engine died or stalled, though the process still runs."""
+    try:
+        return httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _vocab_size(client: httpx.Client) -> int:

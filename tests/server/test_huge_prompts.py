@@ -5,6 +5,7 @@ unanswered for seconds) and answer 503s to everyone."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,26 @@ def test_completion_prompts_are_tokenized_off_the_event_loop(serving: OpenAIServ
     prompts, beats = asyncio.run(beats_while(serving.completion_prompts(request)))
     assert beats > 10  # synchronous tokenizing: none
     assert prompts == [serving.tokenizer("short").input_ids, serving.tokenizer(HUGE).input_ids]
+
+
+def test_one_thread_tokenizes(serving: OpenAIServing, monkeypatch) -> None:
+    """Each thread that tokenized a megabyte prompt kept its own malloc arena at that peak
+    (six of them: 1.2 GB of RSS); one thread keeps one."""
+    threads = set()
+    tokenizer = serving.tokenizer
+
+    def recording(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return tokenizer(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "tokenizer", recording)
+
+    async def many() -> None:
+        requests = [p.CompletionRequest(model=MODEL, prompt=f"prompt {i}") for i in range(8)]
+        await asyncio.gather(*(serving.encode([r.prompt]) for r in requests))
+
+    asyncio.run(many())
+    assert len(threads) == 1 and threads.pop().startswith("modelship-tokenize")
 
 
 def test_chat_prompts_are_tokenized_off_the_event_loop(serving: OpenAIServing) -> None:

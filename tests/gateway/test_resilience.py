@@ -181,8 +181,15 @@ def test_outlier_forgets_removed_endpoints() -> None:
         (Failure(FailureKind.CONNECT), True),
         (Failure(FailureKind.STATUS, 503), True),
         (Failure(FailureKind.STATUS, 503, sent_to_client=True), False),
-        (Failure(FailureKind.STATUS, 500), False),
+        # A replica's own 5xx before any byte: another replica may answer (fleet drill:
+        # a replica answering 500s reached clients until its breaker opened).
+        (Failure(FailureKind.STATUS, 500), True),
+        (Failure(FailureKind.STATUS, 502), True),
+        (Failure(FailureKind.STATUS, 504), True),
+        (Failure(FailureKind.STATUS, 500, sent_to_client=True), False),
         (Failure(FailureKind.STATUS, 429), False),
+        (Failure(FailureKind.STATUS, 400), False),
+        (Failure(FailureKind.INVALID), True),
         (Failure(FailureKind.READ), False),
         (Failure(FailureKind.TIMEOUT), False),
     ],

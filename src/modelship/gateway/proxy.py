@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import httpx
 
@@ -41,6 +42,7 @@ class Attempt:
     first_chunk: bytes = b""
     chunks: AsyncIterator[bytes] | None = None  # the rest of a stream, after first_chunk
     body: bytes = b""
+    payload: Any = None  # the decoded body of a non-streaming 200
     ttft_s: float | None = None
 
     @property
@@ -99,12 +101,32 @@ async def send_attempt(
         attempt.ttft_s = time.perf_counter() - started_at
         if response.status_code >= 500:
             attempt.failure = Failure(FailureKind.STATUS, response.status_code)
+        elif response.status_code == 200 and not _is_answer(attempt, stream):
+            # Garbage with a 200: the replica's fault, and nothing reached the client yet.
+            attempt.failure = Failure(FailureKind.INVALID)
+            await response.aclose()
+            attempt.response = None
     except httpx.HTTPError as exc:
         attempt.failure = Failure(classify(exc, got_status=False))
         if response is not None:
             await response.aclose()
         attempt.response = None
     return attempt
+
+
+def _is_answer(attempt: Attempt, stream: bool) -> bool:
+    """Whether a 200 looks like an OpenAI answer: a JSON object (its `payload` is kept for
+    the caller), or an event stream whose first chunk arrived. A stream's later events
+    are not checked here: they go to the client as they come."""
+    assert attempt.response is not None
+    if stream:
+        content_type = attempt.response.headers.get("content-type", "")
+        return content_type.startswith("text/event-stream") and bool(attempt.first_chunk)
+    try:
+        attempt.payload = json.loads(attempt.body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(attempt.payload, dict)
 
 
 def error_event(message: str) -> bytes:

@@ -205,6 +205,12 @@ class FailureKind(StrEnum):
     DISCONNECT = "disconnect"
     READ = "read"  # the connection broke while the response was streaming
     TIMEOUT = "timeout"
+    # A 200 that is no answer: a body that is not a JSON object, a "stream" that is not an
+    # event stream or has no event at all. Passed on, the client would get garbage.
+    INVALID = "invalid"
+
+
+_RETRYABLE_KINDS = frozenset({FailureKind.CONNECT, FailureKind.DISCONNECT, FailureKind.INVALID})
 
 
 @dataclass(frozen=True)
@@ -217,15 +223,23 @@ class Failure:
     sent_to_client: bool = False
 
 
+# A replica's own failure, answered before anything reached the client: 503 (draining,
+# overloaded, its engine dead), 500 (it failed the request), 502/504 (a proxy in front of
+# it gave up). Another replica may well answer; 4xx are the request's own fault.
+RETRYABLE_STATUS_CODES = frozenset({500, 502, 503, 504})
+
+
 class RetryPolicy:
     """When to retry a failed attempt on another replica, and how long to wait first.
 
     Retried, and only before any byte reached the client: a refused connection (nothing was
-    sent), a retryable status (503: draining or overloaded), and a replica that dropped the
-    connection before answering (it crashed: the client must not see that). Timeouts and
-    reads broken mid-response are not retried: the replica is slow rather than gone, or
-    part of the answer is out, and generation is too expensive to run twice. The delay is
-    "full jitter": uniform in [0, min(max_backoff_s, base_backoff_s * 2**(attempt - 1))].
+    sent), a retryable status (`RETRYABLE_STATUS_CODES`), a replica that dropped the
+    connection before answering (it crashed: the client must not see that), and an answer
+    that is no answer (`INVALID`).
+    Timeouts and reads broken mid-response are not retried: the replica is slow rather than
+    gone, or part of the answer is out, and generation is too expensive to run twice. The
+    delay is "full jitter": uniform in [0, min(max_backoff_s, base_backoff_s * 2**(attempt
+    - 1))].
     """
 
     def __init__(
@@ -233,7 +247,7 @@ class RetryPolicy:
         max_attempts: int = 3,
         base_backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
-        retryable_status_codes: frozenset[int] = frozenset({503}),
+        retryable_status_codes: frozenset[int] = RETRYABLE_STATUS_CODES,
         rng: random.Random | None = None,
     ) -> None:
         if max_attempts < 1:
@@ -249,7 +263,7 @@ class RetryPolicy:
     def is_retryable(self, failure: Failure) -> bool:
         if failure.sent_to_client:
             return False
-        if failure.kind in (FailureKind.CONNECT, FailureKind.DISCONNECT):
+        if failure.kind in _RETRYABLE_KINDS:
             return True
         return (
             failure.kind is FailureKind.STATUS

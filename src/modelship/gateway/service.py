@@ -50,7 +50,7 @@ from modelship.gateway.tenants import (
     TenantRegistry,
     hash_api_key,
 )
-from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage, usage_from_body
+from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class GatewayService:
             usage = StreamUsage(pass_usage_event)
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage)
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
-        usage = usage_from_body(attempt.body) if attempt.status_code == 200 else None
+        usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
             self.estimator.observe(usage.completion_tokens // parsed.num_sequences)
         hold.end(attempt.status_code, attempt.ttft_s, usage or Usage(parsed.input_tokens, 0))

@@ -1,0 +1,123 @@
+"""Replica faults the fleet drill (benchmarks/drill/fleet_faults.py) found reaching
+clients, through `modelship gateway` in front of a real replica and a misbehaving one
+(`bad_replica.py`, a real HTTP server): a replica answering 500s or garbage."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelship.server.process import ReplicaProcess
+
+from bad_replica import BadReplica
+from server_process import ServerProcess
+
+MODEL = "tiny"
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "256",
+        "--kv-cache-memory-mb", "16",
+    )  # fmt: skip
+    yield process
+    process.stop()
+
+
+class Gateway(ReplicaProcess):
+    """`modelship gateway --config ... [--endpoint URL]... [--canary-endpoint URL ...]`."""
+
+    inherits_socket = False  # the gateway binds --port itself
+
+    def __init__(self, tmp_path: Path, gateway: dict, *endpoint_args: str) -> None:
+        config = tmp_path / "pipeline.yaml"
+        config.write_text(yaml.safe_dump({"gateway": gateway}))
+        super().__init__(
+            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gw.log"
+        )
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "modelship", "gateway", *self.args,
+                "--host", self.host, "--port", str(self.port)]  # fmt: skip
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
+
+
+@pytest.fixture
+def bad_replicas() -> Iterator[list[BadReplica]]:
+    started: list[BadReplica] = []
+    yield started
+    for bad in started:
+        bad.stop()
+
+
+@pytest.fixture
+def start_gateway(tmp_path: Path):
+    started: list[Gateway] = []
+
+    def start(gateway: dict, *endpoint_args: str) -> Gateway:
+        process = Gateway(tmp_path, gateway, *endpoint_args)
+        started.append(process)
+        process.wait_ready(60)
+        return process
+
+    yield start
+    for process in started:
+        assert process.stop() == 0, process.log_tail()
+
+
+def client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def ask(gateway: Gateway, stream: bool, user: str = "u") -> str:
+    """The answer's text; raises what the SDK raises (an error status, an error event)."""
+    messages = [{"role": "user", "content": "tell me a story"}]
+    answer = client(gateway).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=stream, user=user
+    )
+    if not stream:
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        return answer.choices[0].message.content or ""
+    chunks = list(answer)
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks), "cut short silently"
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("mode", ["500", "garbage"])
+def test_a_replica_answering_errors_or_garbage_is_ejected_and_clients_see_answers(
+    replica: ServerProcess, bad_replicas: list[BadReplica], start_gateway, mode: str
+) -> None:
+    """500s reached clients until the breaker opened (500 was not retried); a 200 with a
+    body cut short reached them as invalid JSON, and as a stream with no event at all,
+    which the SDK ends silently; neither counted against the breaker."""
+    bad = BadReplica(mode)
+    bad_replicas.append(bad)
+    gateway = start_gateway(
+        {"routing": {"policy": "round_robin"},
+         "resilience": {"breaker_failure_threshold": 2, "breaker_cool_down_s": 120}},
+        "--endpoint", bad.url, "--endpoint", replica.url,
+    )  # fmt: skip
+    for i in range(8):
+        ask(gateway, stream=i % 2 == 1)
+    assert bad.num_requests() == 2  # then its breaker opened
+    assert gateway.metric("modelship_gateway_breaker_opened_total", endpoint="stable-0") == 1
+    assert gateway.metric("modelship_gateway_breaker_opened_total", endpoint="stable-1") == 0
+    kind = "status" if mode == "500" else "invalid"
+    assert gateway.metric("modelship_gateway_retries_total", kind=kind) == 2

@@ -1,10 +1,13 @@
 """Replica faults the fleet drill (benchmarks/drill/fleet_faults.py) found reaching
 clients, through `modelship gateway` in front of a real replica and a misbehaving one
-(`bad_replica.py`, a real HTTP server): a replica answering 500s or garbage."""
+(`bad_replica.py`, a real HTTP server): a replica answering 500s or garbage, a hung
+replica."""
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +124,40 @@ def test_a_replica_answering_errors_or_garbage_is_ejected_and_clients_see_answer
     assert gateway.metric("modelship_gateway_breaker_opened_total", endpoint="stable-1") == 0
     kind = "status" if mode == "500" else "invalid"
     assert gateway.metric("modelship_gateway_retries_total", kind=kind) == 2
+
+
+def test_requests_waiting_on_a_hung_replica_are_retried_elsewhere(
+    replica: ServerProcess, bad_replicas: list[BadReplica], start_gateway
+) -> None:
+    """A non-streaming request sent to a replica that then hung (SIGSTOP) waited for the
+    whole request timeout and failed with a 504; now the health checks' silence abandons
+    it before any byte of an answer, and another replica answers."""
+    hung = BadReplica("hang")  # takes requests and never answers them
+    bad_replicas.append(hung)
+    request_timeout_s = 60.0
+    gateway = start_gateway(
+        {"routing": {"policy": "round_robin"},
+         "resilience": {"health_check_interval_s": 0.2, "connect_timeout_s": 0.5,
+                        "request_timeout_s": request_timeout_s}},
+        "--endpoint", hung.url, "--endpoint", replica.url,
+    )  # fmt: skip
+    answers: list[tuple[bool, float]] = []
+
+    def send(stream: bool) -> None:
+        started = time.monotonic()
+        ask(gateway, stream)
+        answers.append((stream, time.monotonic() - started))
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in (False, True, False, True)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while hung.num_requests() < 2:  # round robin: half of them wait on it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    hung.pause()  # now its health checks go unanswered too
+    for thread in threads:
+        thread.join(timeout=request_timeout_s)
+    assert len(answers) == 4, "a request failed"
+    assert max(seconds for _, seconds in answers) < request_timeout_s / 3
+    assert gateway.metric("modelship_gateway_retries_total", kind="unresponsive") == 2

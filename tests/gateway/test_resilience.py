@@ -190,6 +190,7 @@ def test_outlier_forgets_removed_endpoints() -> None:
         (Failure(FailureKind.STATUS, 429), False),
         (Failure(FailureKind.STATUS, 400), False),
         (Failure(FailureKind.INVALID), True),
+        (Failure(FailureKind.UNRESPONSIVE), True),
         (Failure(FailureKind.READ), False),
         (Failure(FailureKind.TIMEOUT), False),
     ],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +24,11 @@ from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDe
 logger = logging.getLogger(__name__)
 
 
+# Health checks in a row that got no answer at all (not even a 503) before a replica is
+# taken for hung: the attempts waiting on it are then abandoned and retried elsewhere.
+UNRESPONSIVE_AFTER_CHECKS = 2
+
+
 @dataclass(eq=False)
 class Upstream:
     endpoint: Endpoint
@@ -32,6 +37,8 @@ class Upstream:
     breaker: CircuitBreaker
     is_healthy: bool = True
     is_draining: bool = False
+    num_unanswered_checks: int = 0  # consecutive health checks that timed out or broke
+    _unresponsive: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def endpoint_id(self) -> str:
@@ -44,6 +51,27 @@ class Upstream:
     @property
     def release(self) -> str:
         return self.endpoint.release or "unknown"
+
+    @property
+    def is_unresponsive(self) -> bool:
+        return self._unresponsive.is_set()
+
+    async def wait_unresponsive(self) -> None:
+        """Returns once the replica is (or is already) taken for hung."""
+        await self._unresponsive.wait()
+
+    def record_check(self, answered: bool) -> None:
+        """One health check's fate: answered (any status), or no answer in time."""
+        self.num_unanswered_checks = 0 if answered else self.num_unanswered_checks + 1
+        if self.num_unanswered_checks >= UNRESPONSIVE_AFTER_CHECKS:
+            if not self._unresponsive.is_set():
+                logger.warning(
+                    "%s has not answered %d health checks: abandoning the attempts waiting "
+                    "on it", self.endpoint_id, self.num_unanswered_checks,
+                )  # fmt: skip
+            self._unresponsive.set()
+        else:
+            self._unresponsive.clear()
 
 
 class EndpointPool:
@@ -168,8 +196,11 @@ class HealthChecker:
         try:
             response = await self.client.get(f"{upstream.url}/ready", timeout=timeout)
             healthy = response.status_code == 200
-        except httpx.HTTPError:
+            upstream.record_check(answered=True)
+        except httpx.HTTPError as exc:
             healthy = False
+            # Refused: the process is gone (its attempts fail on their own); silence: hung.
+            upstream.record_check(answered=isinstance(exc, httpx.ConnectError))
         if healthy != upstream.is_healthy:
             logger.info("%s is %s", upstream.endpoint_id, "ready" if healthy else "not ready")
         upstream.is_healthy = healthy

@@ -111,6 +111,10 @@ async def send_attempt(
         if response is not None:
             await response.aclose()
         attempt.response = None
+    except asyncio.CancelledError:  # abandoned (client gone, deadline, replica hung)
+        if response is not None:
+            await response.aclose()  # its connection must not go back to the pool
+        raise
     return attempt
 
 

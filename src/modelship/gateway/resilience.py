@@ -208,9 +208,14 @@ class FailureKind(StrEnum):
     # A 200 that is no answer: a body that is not a JSON object, a "stream" that is not an
     # event stream or has no event at all. Passed on, the client would get garbage.
     INVALID = "invalid"
+    # The replica stopped answering its health checks while the attempt waited on it (a
+    # hung process): the attempt was abandoned before any byte of an answer.
+    UNRESPONSIVE = "unresponsive"
 
 
-_RETRYABLE_KINDS = frozenset({FailureKind.CONNECT, FailureKind.DISCONNECT, FailureKind.INVALID})
+_RETRYABLE_KINDS = frozenset(
+    {FailureKind.CONNECT, FailureKind.DISCONNECT, FailureKind.INVALID, FailureKind.UNRESPONSIVE}
+)
 
 
 @dataclass(frozen=True)
@@ -234,8 +239,8 @@ class RetryPolicy:
 
     Retried, and only before any byte reached the client: a refused connection (nothing was
     sent), a retryable status (`RETRYABLE_STATUS_CODES`), a replica that dropped the
-    connection before answering (it crashed: the client must not see that), and an answer
-    that is no answer (`INVALID`).
+    connection before answering (it crashed: the client must not see that), an answer that
+    is no answer (`INVALID`), and an attempt abandoned on a hung replica (`UNRESPONSIVE`).
     Timeouts and reads broken mid-response are not retried: the replica is slow rather than
     gone, or part of the answer is out, and generation is too expensive to run twice. The
     delay is "full jitter": uniform in [0, min(max_backoff_s, base_backoff_s * 2**(attempt

@@ -19,8 +19,9 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -40,7 +41,7 @@ from modelship.gateway.request import (
     unauthorized,
     unavailable,
 )
-from modelship.gateway.resilience import RetryPolicy
+from modelship.gateway.resilience import Failure, FailureKind, RetryPolicy
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import (
     CACHE_SALT_HEADER,
@@ -357,18 +358,19 @@ class GatewayService:
         hold.num_output_if_abandoned = routing.num_sequences * (
             routing.estimated_output_tokens or 0
         )
+        send = send_attempt(
+            self.client,
+            upstream,
+            path,
+            content,
+            headers,
+            parsed.stream,
+            read_timeout_s,
+            resilience.connect_timeout_s,
+            hold.started_at,
+        )
         try:
-            attempt = await send_attempt(
-                self.client,
-                upstream,
-                path,
-                content,
-                headers,
-                parsed.stream,
-                read_timeout_s,
-                resilience.connect_timeout_s,
-                hold.started_at,
-            )
+            attempt = await _unless_unresponsive(send, upstream)
         except BaseException:  # cancelled (client gone, deadline): nobody's fault
             upstream.endpoint.remove_request(num_tokens)
             raise
@@ -489,6 +491,26 @@ class _Hold:
         metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
         if ttft_s is not None and status_code < 500:
             metrics.ttft.labels(release, variant).observe(ttft_s)
+
+
+async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Upstream) -> Attempt:
+    """Await `send` (an attempt at `upstream`), or abandon it once the health checks find
+    the replica unresponsive (a hung process: its answer would only come at the timeout,
+    which for a non-streaming request is the whole request's). Abandoned before any byte
+    of an answer, the attempt can be retried elsewhere."""
+    sending = asyncio.ensure_future(send)
+    hung = asyncio.ensure_future(upstream.wait_unresponsive())
+    try:
+        await asyncio.wait({sending, hung}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung.cancel()
+        if not sending.done():
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+    if sending.cancelled():
+        return Attempt(upstream, failure=Failure(FailureKind.UNRESPONSIVE))
+    return sending.result()
 
 
 def _bearer_key(request: Request) -> str:

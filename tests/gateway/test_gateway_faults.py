@@ -1,7 +1,7 @@
 """Replica faults the fleet drill (benchmarks/drill/fleet_faults.py) found reaching
 clients, through `modelship gateway` in front of a real replica and a misbehaving one
 (`bad_replica.py`, a real HTTP server): a replica answering 500s or garbage, a hung
-replica."""
+replica, a canary that fails every request."""
 
 from __future__ import annotations
 
@@ -161,3 +161,25 @@ def test_requests_waiting_on_a_hung_replica_are_retried_elsewhere(
     assert len(answers) == 4, "a request failed"
     assert max(seconds for _, seconds in answers) < request_timeout_s / 3
     assert gateway.metric("modelship_gateway_retries_total", kind="unresponsive") == 2
+
+
+def test_a_failing_canary_falls_back_to_stable_and_is_rolled_back(
+    replica: ServerProcess, bad_replicas: list[BadReplica], start_gateway
+) -> None:
+    """A canary answering 500s: its requests failed (no retry outside the canary track),
+    and once its breaker opened the split sent its share to stable unrecorded, so the
+    judge never reached `min_requests` and never rolled it back."""
+    bad = BadReplica("500")
+    bad_replicas.append(bad)
+    gateway = start_gateway(
+        {"canary": {"min_requests": 5, "window_s": 600},
+         "resilience": {"breaker_failure_threshold": 2, "breaker_cool_down_s": 120}},
+        "--endpoint", replica.url, "--canary-endpoint", bad.url, "--canary-weight", "50",
+    )  # fmt: skip
+    for i in range(40):
+        ask(gateway, stream=i % 2 == 1, user=f"user-{i}")  # every one answered
+        if gateway.metric("modelship_gateway_canary_rollbacks_total") == 1:
+            break
+    assert gateway.metric("modelship_gateway_canary_rollbacks_total") == 1
+    assert gateway.metric("modelship_gateway_canary_weight") == 0
+    assert bad.num_requests() == 2  # its breaker opened; the rest were counted, not sent

@@ -19,7 +19,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ from modelship.gateway.request import (
     unauthorized,
     unavailable,
 )
-from modelship.gateway.resilience import Failure, FailureKind, RetryPolicy
+from modelship.gateway.resilience import BreakerState, Failure, FailureKind, RetryPolicy
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import (
     CACHE_SALT_HEADER,
@@ -262,23 +262,42 @@ class GatewayService:
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
         The key is hashed with the gateway's secret: a client choosing its session id
-        cannot aim at (or away from) the canary."""
-        if self.canary_weight <= 0 or not self.pool.has_routable(Track.CANARY):
+        cannot aim at (or away from) the canary.
+
+        A request the split gives a canary whose every replica has its breaker open goes
+        to stable, and counts as a canary failure for the judge: the canary failed enough
+        requests in a row to be shut out, and without these the judge, starved of canary
+        results, would never reach its `min_requests` and never roll it back."""
+        if self.canary_weight <= 0:
             return Track.STABLE
         key = f"{tenant.name}\n{parsed.sticky_key or request_id}"
-        in_split = in_canary(key, self.canary_weight, self.split_secret)
-        return Track.CANARY if in_split else Track.STABLE
+        if not in_canary(key, self.canary_weight, self.split_secret):
+            return Track.STABLE
+        if self.pool.has_routable(Track.CANARY):
+            return Track.CANARY
+        canary = [u for u in self.pool if u.track is Track.CANARY]
+        if canary and all(u.breaker.state is BreakerState.OPEN for u in canary):
+            self.judge.record(Track.CANARY, ok=False, ttft_s=None)
+            self._judge_canary()
+        return Track.STABLE
 
-    def _candidates(self, track: Track, routing: RoutingRequest) -> list[Upstream]:
-        try:
-            decision = self.routers[track].choose(routing, self.pool.endpoints(track))
-        except NoEndpointError:
-            if track is Track.CANARY:
-                return self._candidates(Track.STABLE, routing)
-            raise unavailable("no replica is ready to serve; retry shortly") from None
-        self.metrics.routing_decisions.labels(self.policy, str(decision.reason)).inc()
-        chosen = [decision.endpoint, *decision.fallbacks]
-        return [u for e in chosen if (u := self.pool.get(e.endpoint_id)) is not None]
+    def _candidates(self, track: Track, routing: RoutingRequest) -> Iterator[Upstream]:
+        """The router's choice, then its fallbacks. A canary request falls back to stable's
+        replicas (asked only when the canary's have failed): its client gets an answer,
+        and the judge has already counted the canary's failure."""
+        tracks = [Track.CANARY, Track.STABLE] if track is Track.CANARY else [track]
+        for candidate_track in tracks:
+            try:
+                decision = self.routers[candidate_track].choose(
+                    routing, self.pool.endpoints(candidate_track)
+                )
+            except NoEndpointError:
+                continue
+            if candidate_track is track:
+                self.metrics.routing_decisions.labels(self.policy, str(decision.reason)).inc()
+            for endpoint in [decision.endpoint, *decision.fallbacks]:
+                if (upstream := self.pool.get(endpoint.endpoint_id)) is not None:
+                    yield upstream
 
     async def _forward(
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
@@ -287,7 +306,6 @@ class GatewayService:
         track = self.pick_track(parsed, tenant, request_id)
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
-        candidates = self._candidates(track, routing)
         pass_usage_event = ask_for_usage(parsed.body) if parsed.stream else True
         content = json.dumps(parsed.body).encode()
         headers = {
@@ -297,10 +315,11 @@ class GatewayService:
         }
         deadline = asyncio.get_running_loop().time() + resilience.request_timeout_s
         attempt: Attempt | None = None
-        num_attempts = 0
+        num_attempts = num_candidates = 0
         try:
             async with asyncio.timeout_at(deadline):
-                for upstream in candidates:
+                for upstream in self._candidates(track, routing):
+                    num_candidates += 1
                     if num_attempts >= self.retry_policy.max_attempts:
                         break
                     if not upstream.breaker.allow_request():
@@ -320,6 +339,8 @@ class GatewayService:
             raise GatewayError(
                 504, "The model did not answer in time.", "timeout", "timeout"
             ) from None
+        if num_candidates == 0:
+            raise unavailable("no replica is ready to serve; retry shortly")
         if attempt is None:
             raise unavailable("every replica's circuit breaker is open; retry shortly")
         raise_for_final(attempt)

@@ -1,10 +1,11 @@
 """Replica faults the fleet drill (benchmarks/drill/fleet_faults.py) found reaching
 clients, through `modelship gateway` in front of a real replica and a misbehaving one
 (`bad_replica.py`, a real HTTP server): a replica answering 500s or garbage, a hung
-replica, a canary that fails every request."""
+replica, a canary that fails every request, a gateway restarted under load."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -17,7 +18,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelship.server.process import ReplicaProcess
+from modelship.gateway.canary import Track
+from modelship.gateway.config import GatewayConfig
+from modelship.gateway.pool import EndpointPool, static_upstreams
+from modelship.gateway.service import GatewayService
+from modelship.server.process import ReplicaProcess, free_port
 
 from bad_replica import BadReplica
 from server_process import ServerProcess
@@ -183,3 +188,28 @@ def test_a_failing_canary_falls_back_to_stable_and_is_rolled_back(
     assert gateway.metric("modelship_gateway_canary_rollbacks_total") == 1
     assert gateway.metric("modelship_gateway_canary_weight") == 0
     assert bad.num_requests() == 2  # its breaker opened; the rest were counted, not sent
+
+
+def test_a_started_gateway_already_knows_which_replicas_answer(
+    bad_replicas: list[BadReplica],
+) -> None:
+    """Restarted under load, `modelship gateway` answered its first requests 503 ("no
+    replica is ready"): it listened before its first health check (static replicas start
+    unhealthy). The first round of checks now runs before the app's startup ends, which
+    uvicorn waits for before it listens."""
+    answering = BadReplica("500")  # its /ready answers 200
+    bad_replicas.append(answering)
+    config = GatewayConfig()
+    pool = EndpointPool(config.resilience)
+    silent = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    static_upstreams(pool, [answering.url, silent], Track.STABLE, "stable")
+    service = GatewayService(config, pool)
+
+    async def start() -> tuple[bool, list[bool]]:
+        await service.start()
+        try:
+            return service.is_ready(), [upstream.is_healthy for upstream in pool]
+        finally:
+            await service.close()
+
+    assert asyncio.run(start()) == (True, [True, False])

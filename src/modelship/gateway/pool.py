@@ -186,10 +186,12 @@ class HealthChecker:
         scrape_every = max(1, round(config.metrics_scrape_interval_s / interval))
         tick = 0
         while True:
-            scrape = tick % scrape_every == 0
-            await asyncio.gather(*(self.check(u, scrape) for u in self.pool))
+            await self.check_all(scrape=tick % scrape_every == 0)
             tick += 1
             await asyncio.sleep(interval)
+
+    async def check_all(self, scrape: bool = True) -> None:
+        await asyncio.gather(*(self.check(u, scrape) for u in self.pool))
 
     async def check(self, upstream: Upstream, scrape: bool) -> None:
         timeout = self.pool.config.connect_timeout_s

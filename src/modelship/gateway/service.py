@@ -115,7 +115,11 @@ class GatewayService:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.client = httpx.AsyncClient(limits=limits, timeout=None)
         if health_checks:
-            self._health_task = asyncio.create_task(HealthChecker(self.pool, self.client).run())
+            checker = HealthChecker(self.pool, self.client)
+            # Before listening (the app's startup runs first): a gateway restarted under load
+            # answered its first requests 503, its replicas not yet checked.
+            await checker.check_all()
+            self._health_task = asyncio.create_task(checker.run())
 
     async def close(self) -> None:
         if self._health_task is not None:

@@ -17,4 +17,10 @@ class SupervisorConfig(AutoscalerConfig):
     restart_backoff_s: float = Field(default=1.0, ge=0)
     max_restart_backoff_s: float = Field(default=30.0, ge=0)
     drain_timeout_s: float = Field(default=60.0, gt=0)
+    # A ready replica whose /health answers 503 (its engine died or stalled) is replaced
+    # at once; one that answers nothing at all (a hung process) after this long.
+    max_unresponsive_s: float = Field(default=30.0, gt=0)
     canary_replicas: int = Field(default=1, ge=1)
+    # The canary is rolled back once its replicas have failed this many times (exited,
+    # or replaced as dead or hung), whether or not one ever became ready.
+    max_canary_failures: int = Field(default=3, ge=1)

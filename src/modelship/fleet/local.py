@@ -62,6 +62,7 @@ class LocalFleet:
         self.supervisor = Supervisor(
             config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
         )
+        self.supervisor.on_canary_failed = self._canary_failed
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
@@ -110,6 +111,17 @@ class LocalFleet:
             verdict.reason, verdict.stable.describe(), verdict.canary.describe(),
         )  # fmt: skip
         end_canary(self.storage, self.slug, verdict.reason, automatic=True)
+        self.supervisor.set_target(Track.CANARY, None)
+
+    def _canary_failed(self, reason: str) -> None:
+        """The canary's replicas keep dying (or never start): no traffic reaches it, so the
+        judge could never roll it back; the supervisor's count does."""
+        logger.warning("canary auto rollback: %s", reason)
+        target = self.supervisor.tracks[Track.CANARY].target
+        if target is not None:
+            self.service.metrics.canary_rollbacks.labels(str(target.release)).inc()
+        end_canary(self.storage, self.slug, reason, automatic=True)
+        self.service.set_canary_weight(0)
         self.supervisor.set_target(Track.CANARY, None)
 
     async def _plan_loop(self) -> None:

@@ -2,7 +2,10 @@
 
 A control loop on the gateway's event loop. Each tick it (1) looks at every replica
 process: a starting one joins routing when its /ready answers 200 (time-to-capacity is
-recorded), a dead one leaves routing and is replaced after a backoff; (2) drains replicas
+recorded), a dead one leaves routing and is replaced after a backoff, and so is a ready one
+whose /health answers 503 (its engine died or stalled: the process lives on, useless) or
+nothing for `max_unresponsive_s` (hung); a canary whose replicas keep failing is given up
+(`on_canary_failed`: the fleet rolls it back); (2) drains replicas
 of a release no longer wanted, once the wanted release has a ready replica; (3) asks the
 autoscaler policy how many stable replicas the load needs and starts or drains the
 difference. Draining means: out of routing at once, SIGTERM once the gateway has no
@@ -12,8 +15,11 @@ request in flight there (the replica then drains itself), SIGKILL after `drain_t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import re
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +64,7 @@ class ManagedReplica:
     state: ReplicaState = ReplicaState.STARTING
     drain_started_at: float | None = None
     terminate_sent: bool = False
+    unanswered_since: float | None = None  # ready, but /health has not answered since
 
 
 Launcher = Callable[[ReleaseSpec, str], ReplicaProcess]
@@ -68,6 +75,7 @@ class _TrackState:
     target: ReleaseSpec | None = None
     desired: int = 0
     num_crashes: int = 0  # consecutive, reset when a replica becomes ready
+    num_failures: int = 0  # every crash or replacement since the target was set
     next_start_at: float = 0.0
     time_to_ready_s: list[float] = field(default_factory=list)
 
@@ -91,6 +99,9 @@ class Supervisor:
         self.tracks = {track: _TrackState() for track in Track}
         self._num_started = 0
         self._client: httpx.AsyncClient | None = None
+        # Called with the reason once the canary's replicas have failed
+        # `max_canary_failures` times (the fleet then ends the canary).
+        self.on_canary_failed: Callable[[str], None] | None = None
 
     # Targets -----------------------------------------------------------------------------
     def set_target(self, track: Track, spec: ReleaseSpec | None) -> None:
@@ -102,7 +113,7 @@ class Supervisor:
             return
         logger.info("%s track: release %s -> %s", track, _release(state.target), _release(spec))
         state.target = spec
-        state.num_crashes = 0
+        state.num_crashes = state.num_failures = 0
         if track is Track.STABLE and spec is not None:
             for replica in self.replicas:
                 if replica.track is Track.CANARY and replica.spec == spec:
@@ -144,7 +155,11 @@ class Supervisor:
 
     async def _observe(self, now: float) -> None:
         starting = [r for r in self.replicas if r.state is ReplicaState.STARTING]
-        ready = await asyncio.gather(*(self._is_ready(r) for r in starting))
+        serving = [r for r in self.replicas if r.state is ReplicaState.READY]
+        answers = await asyncio.gather(
+            *(self._is_ready(r) for r in starting), *(self._health(r) for r in serving)
+        )
+        ready, health = answers[: len(starting)], answers[len(starting) :]
         for replica, is_ready in zip(starting, ready, strict=True):
             if replica.process.has_exited():
                 self._crashed(replica, now)
@@ -156,10 +171,20 @@ class Supervisor:
                 )
                 replica.process.kill()
                 self._crashed(replica, now)
-        for replica in list(self.replicas):
-            if replica.state is ReplicaState.READY and replica.process.has_exited():
+        for replica, status in zip(serving, health, strict=True):
+            if replica.process.has_exited():
                 self._crashed(replica, now)
-            elif replica.state is ReplicaState.DRAINING:
+            elif status is not None and status != 200:
+                self._replace(replica, now, f"/health answered {status}")
+            elif status is None:
+                replica.unanswered_since = replica.unanswered_since or now
+                silent_s = now - replica.unanswered_since
+                if silent_s > self.config.max_unresponsive_s:
+                    self._replace(replica, now, f"no answer to /health for {silent_s:.0f}s")
+            else:
+                replica.unanswered_since = None
+        for replica in list(self.replicas):
+            if replica.state is ReplicaState.DRAINING:
                 self._continue_drain(replica, now)
 
     async def _is_ready(self, replica: ManagedReplica) -> bool:
@@ -169,6 +194,14 @@ class Supervisor:
             return response.status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def _health(self, replica: ManagedReplica) -> int | None:
+        """The status /health answers; None for no answer (refused, timed out)."""
+        assert self._client is not None
+        try:
+            return (await self._client.get(f"{replica.process.url}/health")).status_code
+        except httpx.HTTPError:
+            return None
 
     def _became_ready(self, replica: ManagedReplica, now: float) -> None:
         replica.state = ReplicaState.READY
@@ -184,21 +217,43 @@ class Supervisor:
             replica.replica_id, replica.process.url, replica.track, str(spec.release), spec.variant
         )
 
-    def _crashed(self, replica: ManagedReplica, now: float) -> None:
+    def _replace(self, replica: ManagedReplica, now: float, why: str) -> None:
+        """A live replica that cannot serve: kill it, then replace it like a crashed one."""
+        logger.error("%s is ready but %s: replacing it", replica.replica_id, why)
+        replica.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            replica.process.process.wait(timeout=5)  # SIGKILL: gone within milliseconds
+        self._crashed(replica, now, why)
+
+    def _crashed(self, replica: ManagedReplica, now: float, why: str | None = None) -> None:
         code = replica.process.process.poll()
+        log_tail = replica.process.log_tail(10)
         logger.error(
             "%s exited with %s while %s; log tail:\n%s",
-            replica.replica_id, code, replica.state, replica.process.log_tail(10),
+            replica.replica_id, code, replica.state, log_tail,
         )  # fmt: skip
         self.pool.remove(replica.replica_id)
         replica.process.close_log()
         self.replicas.remove(replica)
         state = self.tracks[replica.track]
         state.num_crashes += 1
+        state.num_failures += 1
         backoff = self.config.restart_backoff_s * 2 ** (state.num_crashes - 1)
         state.next_start_at = now + min(self.config.max_restart_backoff_s, backoff)
         if self.metrics is not None:
             self.metrics.replica_restarts.labels(str(replica.spec.release)).inc()
+        if (
+            replica.track is Track.CANARY
+            and replica.spec == state.target
+            and state.num_failures >= self.config.max_canary_failures
+            and self.on_canary_failed is not None
+        ):
+            last = why or f"exited with {code} while {replica.state}"
+            said = _last_error(replica.process.log_tail(60))
+            said = f"; its log says: {said}" if said else ""
+            self.on_canary_failed(
+                f"the canary's replicas failed {state.num_failures} times (last: {last}){said}"
+            )
 
     def _retire_stale(self, track: Track, now: float) -> None:
         target = self.tracks[track].target
@@ -304,13 +359,24 @@ class Supervisor:
         included, by state) and the desired replicas per track."""
         replicas: dict[tuple[str, str, str, str], int] = {}
         for r in self.replicas:
-            key = (str(r.track), str(r.spec.release), r.spec.variant, str(r.state))
+            state = str(r.state)
+            upstream = self.pool.get(r.replica_id)
+            if r.state is ReplicaState.READY and upstream is not None and not upstream.is_healthy:
+                state = "unhealthy"  # ready once, failing its health checks now
+            key = (str(r.track), str(r.spec.release), r.spec.variant, state)
             replicas[key] = replicas.get(key, 0) + 1
         return dataclasses.replace(
             service.snapshot(),
             replicas=replicas,
             desired_replicas={str(t): s.desired for t, s in self.tracks.items()},
         )
+
+
+def _last_error(log: str) -> str:
+    """The log's last line naming an exception (`SomeError: why`), else its last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\w(Error|Exception): ", line)]
+    return (errors or lines or [""])[-1][:300]
 
 
 def _release(spec: ReleaseSpec | None) -> str:

@@ -27,6 +27,7 @@ from modelship.engine.detokenizer import IncrementalDetokenizer
 from modelship.engine.faults import FaultInjection
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
+from modelship.engine.sampler import NonFiniteLogitsError
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
@@ -274,17 +275,24 @@ class LLMEngine:
             return []
         output = self.runner.execute(plan, self._generators)
         sampled: dict[str, int] = {}
+        broken: list[Sequence] = []  # their model logits were NaN/inf: they fail alone
         if output.sampler_output is not None:
             token_ids = output.sampler_output.token_ids.tolist()
             sampled = {
                 seq.seq_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
             }
+            broken = [output.sampled_seqs[i] for i in output.sampler_output.nonfinite_rows]
+            for seq in broken:
+                del sampled[seq.seq_id]
         self.scheduler.update_from_output(plan, sampled)
         for seq_id, chunk in output.prompt_logprobs.items():
             request, _ = self._seq_owner[seq_id]
             known = len(request.prompt_logprobs)  # a recomputed (preempted) prompt repeats
             request.prompt_logprobs.extend(chunk.entries[max(0, known - chunk.first) :])
         deltas = []
+        for seq in broken:
+            if seq.seq_id in self._seq_owner:
+                deltas.extend(self._fail(seq, NonFiniteLogitsError()))
         for row, seq in enumerate(output.sampled_seqs):
             if seq.seq_id not in self._seq_owner:
                 continue  # a sibling of a request that failed earlier in this loop
@@ -299,8 +307,9 @@ class LLMEngine:
         """End the request of `seq` with an error: its sequences are aborted (blocks
         freed) and each one without its last delta yet gets one, finish_reason "error"."""
         request, index = self._seq_owner[seq.seq_id]
-        logger.exception("request %s failed inside the step", request.request_id)
         message = f"{type(exc).__name__}: {exc}"
+        logger.error("request %s failed inside the step: %s", request.request_id, message,
+                     exc_info=exc)  # fmt: skip
         finished_now = seq.is_finished  # by this step: `abort` skips it, yet it had no delta
         deltas = self.abort(request.request_id)
         if finished_now:

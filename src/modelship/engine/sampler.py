@@ -6,15 +6,16 @@ random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each se
 draws its noise from its own generator, so a seeded request samples the same tokens
 whatever else shares its batch.
 
-A row whose logits hold a NaN, or whose largest logit is infinite, has no distribution to
-sample from (broken weights or an overflow): `sample` raises `NonFiniteLogitsError` naming
-the rows instead of picking a token (argmax would pick the first NaN, token after token,
-and the client would get a plausible-looking answer of garbage).
+A row whose own logits (before the request's penalties) hold a NaN, or whose largest logit
+is infinite, has no distribution to sample from (broken weights or an overflow): `sample`
+lists it in `SamplerOutput.nonfinite_rows` instead of picking a token for it (argmax would
+pick the first NaN, token after token, and the client would get a plausible-looking answer
+of garbage); the engine fails those requests alone with `NonFiniteLogitsError`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,16 +91,13 @@ class SamplingMetadata:
 
 
 class NonFiniteLogitsError(RuntimeError):
-    """Some rows' logits are NaN or infinite: no token can be sampled for them. `rows`:
-    their indices in the batch."""
+    """The model's logits for a sequence are NaN or infinite: no token can be sampled."""
 
-    def __init__(self, rows: list[int], batch_size: int) -> None:
+    def __init__(self) -> None:
         super().__init__(
-            f"the model produced NaN or infinite logits for {len(rows)} of {batch_size} "
-            f"sequences (batch rows {rows[:8]}); its weights or activations are broken, "
-            "so no token was sampled"
+            "the model produced NaN or infinite logits for this sequence; its weights or "
+            "activations are broken, so no token was sampled"
         )
-        self.rows = rows
 
 
 @dataclass
@@ -108,6 +106,8 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [batch] logprob of the sampled token
     top_logprob_ids: torch.Tensor | None  # [batch, k]
     top_logprobs: torch.Tensor | None  # [batch, k], sorted descending
+    # rows whose model logits were NaN/inf: their token is meaningless, their request fails
+    nonfinite_rows: list[int] = field(default_factory=list)
 
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
@@ -169,15 +169,20 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
 
 def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` ([batch, vocab], float32)."""
+    # The model's own logits: the largest is finite iff the row has no NaN (amax propagates
+    # it), no +inf and is not all -inf. Checked before the request's parameters touch
+    # them, so only a broken model raises, never a client's extreme penalty. [batch]
+    broken = ~torch.isfinite(logits.amax(dim=-1))
+    nonfinite_rows = broken.nonzero().flatten().tolist() if broken.any() else []
+    if nonfinite_rows:  # sample the others; these rows' tokens are never used
+        logits = logits.masked_fill(broken.unsqueeze(1), 0.0)
     if m.needs_penalties:
-        logits = apply_penalties(logits, m)
+        # An extreme repetition penalty (1e-300, 1e308) overflows a logit to +-inf, and the
+        # row's softmax to NaN: keep every penalized logit finite.
+        limit = torch.finfo(logits.dtype).max
+        logits = apply_penalties(logits, m).clamp_(-limit, limit)
     logprobs = top_ids = top_values = None
     greedy_tokens = logits.argmax(dim=-1)
-    # argmax takes NaN for the largest value: the logit it picks is finite iff the row has
-    # no NaN, no +inf, and is not all -inf. [batch]
-    broken = ~torch.isfinite(logits.gather(1, greedy_tokens.unsqueeze(1)).squeeze(1))
-    if broken.any():
-        raise NonFiniteLogitsError(broken.nonzero().flatten().tolist(), logits.shape[0])
     if m.max_num_logprobs >= 0:
         all_logprobs = logits.log_softmax(dim=-1)
     if m.all_greedy:
@@ -199,4 +204,4 @@ def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         if m.max_num_logprobs > 0:
             top_values, top_ids = all_logprobs.topk(m.max_num_logprobs, dim=-1)
-    return SamplerOutput(token_ids, logprobs, top_ids, top_values)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_values, nonfinite_rows)

@@ -174,7 +174,7 @@ class Supervisor:
         for replica, status in zip(serving, health, strict=True):
             if replica.process.has_exited():
                 self._crashed(replica, now)
-            elif status is not None and status != 200:
+            elif status is not None and status >= 500:
                 self._replace(replica, now, f"/health answered {status}")
             elif status is None:
                 replica.unanswered_since = replica.unanswered_since or now

@@ -46,7 +46,7 @@ class _FleetCollector(Collector):
         snap = self._snapshot()
         replicas = GaugeMetricFamily(
             PREFIX + "replicas",
-            "Replicas by track, release, variant and state (starting, ready, draining).",
+            "Replicas by track, release, variant and state (starting, ready, unhealthy, draining).",
             labels=["track", "release", "variant", "state"],
         )
         for (track, release, variant, state), count in sorted(snap.replicas.items()):

@@ -75,13 +75,9 @@ def cpu_kernel_supports(out_features: int, in_features: int, group_size: int) ->
     )
 
 
-class Int4Linear(nn.Module):
-    """A W4A16 linear on torch's CPU int4 kernel; fast only with bf16 activations.
-
-    Holds the weight in the kernel's packed layout ([out, in / 2] uint8, tiled) and
-    `scales_and_zeros` [in / group_size, out, 2] bf16 (scale, zero) in the kernel's
-    convention (see the module docstring).
-    """
+class _TorchInt4Linear(nn.Module):
+    """What torch's int4 kernels (CPU and CUDA tinygemm) hold: the weight in the kernel's
+    packed layout and `scales_and_zeros` [in / group_size, out, 2] bf16 (scale, zero)."""
 
     def __init__(
         self,
@@ -97,6 +93,15 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.out_features = out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+
+class Int4Linear(_TorchInt4Linear):
+    """A W4A16 linear on torch's CPU int4 kernel; fast only with bf16 activations.
+
+    Holds the weight in the kernel's packed layout ([out, in / 2] uint8, tiled) and
+    `scales_and_zeros` [in / group_size, out, 2] bf16 (scale, zero) in the kernel's
+    convention (see the module docstring).
+    """
 
     @classmethod
     def from_unpacked(
@@ -266,27 +271,12 @@ def prepare_tinygemm_operands(
     return TinyGemmOperands(packed_pairs.contiguous(), scales_and_zeros(scale, zero_point))
 
 
-class CudaInt4Linear(nn.Module):
+class CudaInt4Linear(_TorchInt4Linear):
     """A W4A16 linear on torch's CUDA tinygemm kernel; bf16 arithmetic whatever x's dtype.
 
     Holds the kernel's tiled weight ([out / 8, in / (inner_k_tiles * 16), 32,
     inner_k_tiles / 2] int32) and `scales_and_zeros` [in / group_size, out, 2] bf16.
     """
-
-    def __init__(
-        self,
-        packed: torch.Tensor,
-        scales_and_zeros: torch.Tensor,
-        group_size: int,
-        out_features: int,
-        bias: torch.Tensor | None,
-    ) -> None:
-        super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.group_size = group_size
-        self.out_features = out_features
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
     def from_unpacked(

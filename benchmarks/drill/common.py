@@ -14,10 +14,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 # The drills start servers and fleets the way the test suite does; its process helpers
-# (`tests/fleet_process.py`, `tests/tiny_models.py`, ...) are shared rather than copied.
+# (`tests/fleet_process.py`, `tests/tiny_models.py`, `tests/pipeline/pipeline_config.py`,
+# ...) are shared rather than copied.
 TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+for _folder in (TESTS_DIR, TESTS_DIR / "pipeline"):  # pipeline/: its small pipeline config
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 
 @dataclass

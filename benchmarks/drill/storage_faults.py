@@ -32,28 +32,9 @@ import yaml
 from modelship.storage import Storage, StorageError, verify_artifact
 
 from drill.common import DrillContext, DrillResult
+from pipeline_config import TINY  # small calibration and measurement: the drill is about storage
 
 SLUG = "drill"
-# Small calibration and measurement: the drill is about storage, not about quality.
-PIPELINE = {
-    "optimize": {
-        "recipes": {
-            "gptq": {"num_calibration_samples": 4, "max_seq_length": 64},
-            "awq": {"num_calibration_samples": 4, "max_seq_length": 64},
-        }
-    },
-    "select": {
-        "eval_chunks": 2,
-        "eval_chunk_tokens": 32,
-        "latency_requests": 1,
-        "concurrency": 2,
-        "throughput_requests": 2,
-        "prompt_tokens": 16,
-        "output_tokens": 4,
-        "gates": {"min_quality_share": 0.6, "max_repetition": 1.0, "min_printable": 0.0},
-    },
-    "serve": {"engine": {"max_model_len": 256, "kv_cache_memory_mb": 16}},
-}
 
 
 def run(context: DrillContext) -> DrillResult:
@@ -69,11 +50,11 @@ def run(context: DrillContext) -> DrillResult:
 # Helpers -----------------------------------------------------------------------------------
 def _config(context: DrillContext, storage: Path, variants: list[str]) -> Path:
     config = {
-        **PIPELINE,
+        **TINY,
         "source": str(context.model_dir),
         "name": SLUG,
         "storage": str(storage),
-        "optimize": {**PIPELINE["optimize"], "variants": variants},
+        "optimize": {**TINY["optimize"], "variants": variants},
     }
     path = storage.parent / f"{storage.name}.yaml"
     path.write_text(yaml.safe_dump(config))

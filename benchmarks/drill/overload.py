@@ -55,7 +55,9 @@ def run(context: DrillContext) -> DrillResult:
     up = UpProcess(config, storage.root, SLUG, context.work_dir)
     try:
         up.wait_ready(timeout_s=180)
-        baseline = [_stream(up.url, URGENT_KEY) for _ in range(6 if context.quick else 20)]
+        with httpx.Client() as client:
+            baseline = [_stream(client, up.url, URGENT_KEY)
+                        for _ in range(6 if context.quick else 20)]  # fmt: skip
         unloaded = [o.ttft for o in baseline if o.kind == "complete"]
         base_p95 = percentile(unloaded, 95)
         base_rss = _fleet_rss(up)
@@ -78,13 +80,13 @@ class Outcome:
         self.detail = detail
 
 
-def _stream(url: str, key: str) -> Outcome:
+def _stream(client: httpx.Client, url: str, key: str) -> Outcome:
     body = {"model": SLUG, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     started = time.monotonic()
     ttft = 0.0
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body,
+        with client.stream("POST", f"{url}/v1/completions", json=body,
                           headers={"authorization": f"Bearer {key}"},
                           timeout=CLIENT_TIMEOUT_S) as response:  # fmt: skip
             if response.status_code in (429, 503):
@@ -129,11 +131,14 @@ def _level(up, factor, duration, base_p95, bound, context, result: DrillResult) 
     peak_rss = 0
 
     def client(key: str, sink: list[Outcome]) -> None:
-        while time.monotonic() < stop:
-            outcome = _stream(up.url, key)
-            sink.append(outcome)
-            if outcome.kind == "refused":
-                time.sleep(0.05)  # a polite client would wait Retry-After; this one pushes
+        # One connection pool per client: a fresh httpx client per request (TLS context
+        # and all) costs the load generator more CPU than the fleet it loads.
+        with httpx.Client() as http:
+            while time.monotonic() < stop:
+                outcome = _stream(http, up.url, key)
+                sink.append(outcome)
+                if outcome.kind == "refused":
+                    time.sleep(0.05)  # a polite client would wait Retry-After; this pushes
 
     threads = [threading.Thread(target=client, args=(BULK_KEY, bulk))
                for _ in range(factor * MAX_NUM_SEQS)]  # fmt: skip

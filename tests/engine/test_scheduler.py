@@ -243,3 +243,36 @@ def test_a_higher_priority_takes_the_seat_of_a_lower_one() -> None:
     assert finished[0] == "high"
     assert sorted(finished) == ["high", "low-1", "low-2", "low-3"]
     assert scheduler.num_preemptions == 1
+
+
+def test_a_step_that_computes_a_high_priority_prompt_runs_nothing_lower() -> None:
+    """Low-priority streams decoding, a high-priority prompt arrives: its prefill step holds
+    neither their decodes nor a low prompt beside it (the step is its time to first token);
+    the step after, everyone runs again."""
+    scheduler = make(max_num_batched_tokens=32, max_num_seqs=4)
+    scheduler.add_request(request("low-1", 4, max_tokens=10, base=10))
+    scheduler.add_request(request("low-2", 4, max_tokens=10, base=20))
+    step(scheduler)
+    scheduler.add_request(request("high", 6, max_tokens=3, priority=5, base=40))
+    scheduler.add_request(request("low-3", 4, max_tokens=3, base=30))
+    plan, _ = step(scheduler)
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in plan.scheduled] == [("high", 6)]
+    plan, _ = step(scheduler)
+    assert {s.seq.seq_id for s in plan.scheduled} == {"high", "low-1", "low-2", "low-3"}
+
+
+def test_a_high_priority_prompt_without_blocks_does_not_stall_the_others() -> None:
+    """The head of the queue cannot get its blocks yet: the lower-priority streams that hold
+    them keep running (nothing would ever free them otherwise), and it runs once they end."""
+    scheduler = make(num_blocks=4, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    scheduler.add_request(request("low", 6, max_tokens=4, base=10))  # 2 blocks now, 3 at its end
+    step(scheduler)
+    scheduler.add_request(request("high", 9, max_tokens=2, priority=5, base=40))  # 3 blocks
+    plan, _ = step(scheduler)
+    assert [s.seq.seq_id for s in plan.scheduled] == ["low"]
+    finished = []
+    for _ in range(20):
+        if not scheduler.has_unfinished():
+            break
+        finished += [s.seq_id for s in step(scheduler)[1]]
+    assert finished == ["low", "high"]

@@ -7,7 +7,9 @@ priority, then earlier arrival); when one cannot get a block, the lowest-priorit
 running sequence is preempted (blocks freed, recomputed later). Waiting sequences are
 admitted only in steps without such preemption, so admission never evicts running work of
 the same priority; a higher-priority waiting sequence does take the seat of a lower one
-when all `max_num_seqs` are taken.
+when all `max_num_seqs` are taken. A step that computes a prompt runs nothing of lower
+priority (no decode, no prompt chunk): its cost is the high-priority request's time to first
+token, and on a CPU a step's cost grows with every row in it.
 """
 
 from __future__ import annotations
@@ -122,11 +124,10 @@ class Scheduler:
     # Planning --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        manager = self.block_manager
         # Prompt tokens this step may compute: one bounded chunk when streams decode in it
         # (their next token waits for the whole step), else the whole budget.
         num_decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        budget = self.config.max_num_batched_tokens
         prefill_budget = budget
         if num_decoding:
             prefill_budget = max(0, min(self.config.max_prefill_chunk, budget - num_decoding))
@@ -140,9 +141,23 @@ class Scheduler:
             and self.waiting[0].priority > self.running[-1].priority
         ):
             self._preempt(self.running[-1])
+        floor = self._prefill_priority()
+        self._fill(plan, budget, prefill_budget, floor)
+        if not plan.scheduled and not plan.preempted and floor is not None:
+            # The prompt that set the floor could not get its blocks: run the rest.
+            self._fill(plan, budget, prefill_budget, None)
+        return plan
+
+    def _fill(
+        self, plan: SchedulerOutput, budget: int, prefill_budget: int, floor: int | None
+    ) -> None:
+        """Schedule running sequences, then admit waiting ones, none below `floor`."""
+        manager = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if floor is not None and seq.priority < floor:
+                break  # sorted: every later one is lower too
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new > 1:  # a prompt (or a recomputed prefix) still in prefill
                 num_new = min(num_new, prefill_budget)
@@ -164,13 +179,15 @@ class Scheduler:
                 continue
             break  # `seq` itself was preempted: everything after it was too
         if plan.preempted:
-            return plan
+            return
         while (
             self.waiting
             and min(budget, prefill_budget) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if floor is not None and seq.priority < floor:
+                break
             computed = manager.get_computed_blocks(seq) if not seq.block_table else NO_HIT
             num_computed = computed.num_tokens or seq.num_computed_tokens
             num_new = min(seq.num_tokens - num_computed, budget, prefill_budget)
@@ -185,7 +202,20 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_order)
             plan.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
-        return plan
+
+    def _prefill_priority(self) -> int | None:
+        """The highest priority with prompt tokens to compute this step (a running sequence
+        in prefill, or the head of the queue when a seat is free), when something of lower
+        priority would run beside it; None: no such step, everything may run."""
+        prefilling = [seq.priority for seq in self.running
+                      if seq.num_tokens - seq.num_computed_tokens > 1]  # fmt: skip
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            prefilling.append(self.waiting[0].priority)
+        if not prefilling:
+            return None
+        floor = max(prefilling)
+        lowest = min(seq.priority for seq in [*self.running, *self.waiting])
+        return floor if lowest < floor else None
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks, forget computed tokens, wait again."""

@@ -34,7 +34,7 @@ def step(scheduler: Scheduler, token: int = 7):
     """One fake model step: every sequence that completed its tokens samples `token`."""
     plan = scheduler.schedule()
     sampled = {
-        s.seq.seq_id: token
+        s.seq.seq_id: [token]
         for s in plan.scheduled
         if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
     }

@@ -72,6 +72,19 @@ def serve(
     cuda_graph_max_batch_size: Annotated[
         int, typer.Option(help="Largest decode batch captured (up to 256); larger run eagerly.")
     ] = _ENGINE.cuda_graph_max_batch_size,
+    num_speculative_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Prompt-lookup speculative decoding: draft tokens verified per step (0: "
+            'off). Requests opt in with "speculative": true; same output either way.'
+        ),
+    ] = _ENGINE.num_speculative_tokens,
+    speculative_by_default: Annotated[
+        bool, typer.Option(help='Speculate for requests that do not say ("speculative").')
+    ] = _ENGINE.speculative_by_default,
+    speculative_max_batch_size: Annotated[
+        int, typer.Option(help="No drafts in steps with more running sequences than this.")
+    ] = _ENGINE.speculative_max_batch_size,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -133,6 +146,9 @@ def serve(
             prefix_caching=prefix_caching,
             cuda_graphs=cuda_graphs,
             cuda_graph_max_batch_size=cuda_graph_max_batch_size,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_by_default=speculative_by_default,
+            speculative_max_batch_size=speculative_max_batch_size,
         )
         config = options.to_engine_config()
     except ValidationError as exc:  # the message names the flag's field

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from modelship.engine.cuda_graphs import MAX_GRAPH_BATCH_SIZE
+from modelship.engine.speculative import SpeculativeConfig
 from modelship.model.attention import ATTENTION_BACKENDS
 from modelship.model.quant.int4 import INT4_KERNELS
 from modelship.model.quant.int8 import LM_HEADS
@@ -63,6 +64,8 @@ class EngineConfig:
     # padding and bucketing with the forward called eagerly, on any device (tests)
     cuda_graphs: bool | Literal["replay"] = True
     cuda_graph_max_batch_size: int = 256
+    # prompt-lookup speculative decoding (`engine.speculative`); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -31,6 +31,7 @@ from modelship.engine.sampler import NonFiniteLogitsError
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
+from modelship.engine.speculative import SpeculationTracker, accepted_prefix
 from modelship.engine.tokenizer import load_tokenizer
 from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
@@ -122,6 +123,8 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._faults = FaultInjection.from_env()  # drills only
+        speculative = self.config.speculative
+        self._speculation = SpeculationTracker(speculative) if speculative else None
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(self.config.seed)
         logger.info(
@@ -244,6 +247,11 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
+            spec_num_drafts=self._speculation.num_drafts if self._speculation else 0,
+            spec_num_draft_tokens=self._speculation.num_draft_tokens if self._speculation else 0,
+            spec_num_accepted_tokens=(
+                self._speculation.num_accepted_tokens if self._speculation else 0
+            ),
         )
 
     def score(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
@@ -270,20 +278,27 @@ class LLMEngine:
     # Stepping ------------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         """Run one iteration: every running sequence advances by its planned tokens."""
+        self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         output = self.runner.execute(plan, self._generators)
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         broken: list[Sequence] = []  # their model logits were NaN/inf: they fail alone
         if output.sampler_output is not None:
             token_ids = output.sampler_output.token_ids.tolist()
-            sampled = {
-                seq.seq_id: tok for seq, tok in zip(output.sampled_seqs, token_ids, strict=True)
-            }
-            broken = [output.sampled_seqs[i] for i in output.sampler_output.nonfinite_rows]
-            for seq in broken:
-                del sampled[seq.seq_id]
+            nonfinite = set(output.sampler_output.nonfinite_rows)
+            for index, seq in enumerate(output.sampled_seqs):
+                rows = output.rows_of(index)
+                if nonfinite.intersection(rows):
+                    broken.append(seq)
+                    continue
+                samples = token_ids[rows.start : rows.stop]
+                if seq.draft_token_ids:
+                    samples = accepted_prefix(seq.draft_token_ids, samples)
+                    self._speculation.record(seq.seq_id, len(seq.draft_token_ids), len(samples) - 1)
+                sampled[seq.seq_id] = samples
+        num_tokens_before = [seq.num_tokens for seq in output.sampled_seqs]
         self.scheduler.update_from_output(plan, sampled)
         for seq_id, chunk in output.prompt_logprobs.items():
             request, _ = self._seq_owner[seq_id]
@@ -293,15 +308,38 @@ class LLMEngine:
         for seq in broken:
             if seq.seq_id in self._seq_owner:
                 deltas.extend(self._fail(seq, NonFiniteLogitsError()))
-        for row, seq in enumerate(output.sampled_seqs):
-            if seq.seq_id not in self._seq_owner:
+        for index, seq in enumerate(output.sampled_seqs):
+            num_new = seq.num_tokens - num_tokens_before[index]
+            if seq.seq_id not in self._seq_owner or num_new == 0:
                 continue  # a sibling of a request that failed earlier in this loop
+            rows = output.rows_of(index)
             try:
-                deltas.append(self._process_sampled(seq, row, output.sampler_output))
+                deltas.append(self._process_sampled(seq, rows, num_new, output.sampler_output))
             except Exception as exc:  # this request alone fails; the batch goes on
                 deltas.extend(self._fail(seq, exc))
         self._release_held_back()
         return deltas
+
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts for the decoding sequences that speculate (see
+        `engine.speculative`); none in steps with more than `max_batch_size` running."""
+        speculation = self._speculation
+        running = self.scheduler.running
+        if speculation is None or len(running) > speculation.config.max_batch_size:
+            return
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # in prefill
+            params = seq.params
+            wanted = params.speculative
+            if not speculation.wants(seq, speculation.config.by_default if wanted is None
+                                     else wanted):  # fmt: skip
+                continue
+            # Room: every accepted draft and the token after it are output tokens.
+            room = self.max_model_len - seq.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+            seq.draft_token_ids = speculation.propose(seq, room)
 
     def _fail(self, seq: Sequence, exc: Exception) -> list[SequenceDelta]:
         """End the request of `seq` with an error: its sequences are aborted (blocks
@@ -316,31 +354,45 @@ class LLMEngine:
             deltas.append(self._delta(request, index, [], "", None, "abort", None))
         return [replace(d, finish_reason="error", error=message) for d in deltas]
 
-    def _process_sampled(self, seq: Sequence, row: int, sampler_output) -> SequenceDelta:
+    def _process_sampled(
+        self, seq: Sequence, rows: range, num_new: int, sampler_output
+    ) -> SequenceDelta:
+        """The delta of the `num_new` tokens `seq` got this step (more than one when drafts
+        were accepted); a stop string inside them ends it there, the rest is dropped."""
         request, index = self._seq_owner[seq.seq_id]
         if self._faults is not None:
             self._faults.on_sampled(request.prompt_token_ids)
-        token_id = seq.token_ids[-1]
+        new_tokens = seq.token_ids[seq.num_tokens - num_new :]
         detokenizer = request.detokenizers[index]
-        detokenized = detokenizer.update([token_id])
-        text = detokenized.delta_text
+        params = seq.params
+        text = ""
+        kept: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         stop_reason: str | int | None = None
-        if detokenized.stop_reason is not None:
+        for row, token_id in zip(rows, new_tokens, strict=False):
+            detokenized = detokenizer.update([token_id])
+            text += detokenized.delta_text
+            kept.append(token_id)
+            if logprobs is not None:
+                logprobs.append(_token_logprob(sampler_output, row, token_id, params.logprobs))
+            if detokenized.stop_reason is not None:
+                stop_reason = detokenized.stop_reason
+                break
+        if stop_reason is not None:
+            dropped = len(new_tokens) - len(kept)
+            seq.drop_last_tokens(dropped)  # sampled past the stop string
+            self.scheduler.num_generation_tokens -= dropped
             if not seq.is_finished:
                 self.scheduler.finish(seq.seq_id, "stop")
             else:
                 seq.finish_reason = "stop"
-            stop_reason = detokenized.stop_reason
         elif seq.is_finished:
             text += detokenizer.flush()  # text held back for a stop string that never came
-            if seq.finish_reason == "stop" and token_id in seq.params.stop_token_ids:
-                stop_reason = token_id
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = [_token_logprob(sampler_output, row, token_id, seq.params.logprobs)]
+            if seq.finish_reason == "stop" and kept[-1] in params.stop_token_ids:
+                stop_reason = kept[-1]
         finish_reason = seq.finish_reason if seq.is_finished else None
-        delta = self._delta(request, index, [token_id], text, logprobs, finish_reason, stop_reason)
-        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+        delta = self._delta(request, index, kept, text, logprobs, finish_reason, stop_reason)
+        if params.prompt_logprobs is not None and seq.num_output_tokens == len(kept):
             delta.prompt_logprobs = list(request.prompt_logprobs)
         if seq.is_finished:
             request.num_finished += 1
@@ -376,6 +428,8 @@ class LLMEngine:
         for seq in request.seqs:
             self._seq_owner.pop(seq.seq_id, None)
             self._generators.pop(seq.seq_id, None)
+            if self._speculation is not None:
+                self._speculation.forget(seq.seq_id)
 
     def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.is_greedy:

@@ -28,11 +28,20 @@ class PromptLogprobs:
 
 @dataclass
 class RunnerOutput:
-    """Sampled tokens for the sequences whose computed tokens reached their tokens."""
+    """Sampled tokens for the sequences whose computed tokens reached their tokens: one row
+    each, or 1 + its drafts for a sequence that verified drafts (`rows_of`)."""
 
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    num_rows: list[int] = field(default_factory=list)  # per sampled sequence
+
+    def rows_of(self, index: int) -> range:
+        """The sampler rows of `sampled_seqs[index]`, in position order."""
+        if not self.num_rows:
+            return range(index, index + 1)
+        start = sum(self.num_rows[:index])
+        return range(start, start + self.num_rows[index])
 
 
 class ModelRunner:
@@ -76,12 +85,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             token_ids.extend(seq.token_ids[start:end])
+            token_ids.extend(seq.draft_token_ids)  # verified after the last known token
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             block_tables.append(seq.block_table)
-            if end == seq.num_tokens:  # this step completes the sequence's known tokens
-                sample_indices.append(len(token_ids) - 1)
+            if end == seq.num_tokens + len(seq.draft_token_ids):  # completes its known tokens
+                num_rows = 1 + len(seq.draft_token_ids)
+                sample_indices.extend(range(len(token_ids) - num_rows, len(token_ids)))
                 sampled_seqs.append(seq)
         attn_metadata = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.block_size, self.device, self.attention_backend
@@ -111,16 +122,21 @@ class ModelRunner:
         if not sampled_seqs:
             return RunnerOutput([], None, prompt_logprobs)
         index = torch.tensor(sample_indices, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [num_rows, vocab]
+        # One row per sampled token position; a verified draft row sees the drafts before
+        # it as output (penalties), as it would have without speculation.
+        rows = [(seq, seq.draft_token_ids[:j]) for seq in sampled_seqs
+                for j in range(1 + len(seq.draft_token_ids))]  # fmt: skip
         metadata = SamplingMetadata.build(
-            params=[seq.params for seq in sampled_seqs],
-            prompt_token_ids=[seq.token_ids[: seq.num_prompt_tokens] for seq in sampled_seqs],
-            output_token_ids=[seq.output_token_ids for seq in sampled_seqs],
-            generators=[generators.get(seq.seq_id) for seq in sampled_seqs],
+            params=[seq.params for seq, _ in rows],
+            prompt_token_ids=[seq.token_ids[: seq.num_prompt_tokens] for seq, _ in rows],
+            output_token_ids=[seq.output_token_ids + drafts for seq, drafts in rows],
+            generators=[generators.get(seq.seq_id) for seq, _ in rows],
             vocab_size=self.vocab_size,
             device=logits.device,
         )
-        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs)
+        num_rows = [1 + len(seq.draft_token_ids) for seq in sampled_seqs]
+        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs, num_rows)
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

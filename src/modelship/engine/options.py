@@ -27,6 +27,12 @@ class EngineOptions(BaseModel):
     # batches of up to this many sequences
     cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=256)
+    # prompt-lookup speculative decoding: draft tokens verified per step (0: off), for
+    # requests that ask (`"speculative": true`) or, with speculative_by_default, all that
+    # do not refuse; only in steps of at most speculative_max_batch_size sequences
+    num_speculative_tokens: int = Field(default=0, ge=0, le=16)
+    speculative_by_default: bool = False
+    speculative_max_batch_size: int = Field(default=4, ge=1)
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig
@@ -44,6 +50,18 @@ class EngineOptions(BaseModel):
             enable_prefix_caching=self.prefix_caching,
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
+            speculative=self.speculative_config(),
+        )
+
+    def speculative_config(self):
+        from modelship.engine.speculative import SpeculativeConfig
+
+        if not self.num_speculative_tokens:
+            return None
+        return SpeculativeConfig(
+            num_tokens=self.num_speculative_tokens,
+            by_default=self.speculative_by_default,
+            max_batch_size=self.speculative_max_batch_size,
         )
 
     def cli_args(self) -> list[str]:
@@ -64,5 +82,9 @@ class EngineOptions(BaseModel):
             "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
             "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
             "--cuda-graph-max-batch-size", str(self.cuda_graph_max_batch_size),
+            "--num-speculative-tokens", str(self.num_speculative_tokens),
+            "--speculative-by-default" if self.speculative_by_default
+            else "--no-speculative-by-default",
+            "--speculative-max-batch-size", str(self.speculative_max_batch_size),
         ]  # fmt: skip
         return args

@@ -102,3 +102,6 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    spec_num_drafts: int = 0  # steps of a sequence that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -54,6 +54,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # speculative decoding for this request where the engine has it on (None: the engine's
+    # default); output and its distribution are the same either way
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -159,7 +159,12 @@ class Scheduler:
             if floor is not None and seq.priority < floor:
                 break  # sorted: every later one is lower too
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new > 1:  # a prompt (or a recomputed prefix) still in prefill
+            if num_new == 1 and seq.draft_token_ids:  # decode + drafts to verify
+                del seq.draft_token_ids[budget - 1 :]
+                if not manager.can_allocate(seq, 1 + len(seq.draft_token_ids)):
+                    seq.draft_token_ids = []  # drafts never preempt anyone
+                num_new += len(seq.draft_token_ids)
+            elif num_new > 1:  # a prompt (or a recomputed prefix) still in prefill
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     i += 1
@@ -221,29 +226,43 @@ class Scheduler:
         """Recompute later: free the blocks, forget computed tokens, wait again."""
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
 
     # Closing the loop -----------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance computed tokens, append sampled tokens, finish and free; returns finished."""
+    def update_from_output(
+        self, plan: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Sequence]:
+        """Advance computed tokens, append sampled tokens, finish and free; returns finished.
+
+        A sequence's sampled tokens are one, or with drafts (speculative decoding) the
+        accepted drafts and the token after them: its computed tokens advance over the
+        accepted ones only (the rejected drafts' KV slots are written again later), and
+        its tokens stop at the first that finishes it."""
         finished = []
         for scheduled in plan.scheduled:
             seq = scheduled.seq
+            num_drafts = len(seq.draft_token_ids)
+            seq.draft_token_ids = []
             if seq.is_finished:  # aborted while its step ran
                 continue
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            token_ids = sampled.get(seq.seq_id) or []
+            num_rejected = num_drafts - (len(token_ids) - 1) if token_ids else num_drafts
+            computed = seq.num_computed_tokens + scheduled.num_new_tokens - num_rejected
+            if computed <= seq.num_prompt_tokens:
                 self.num_prompt_tokens += scheduled.num_new_tokens
+            reason = None
+            for token_id in token_ids:
+                seq.append_token(token_id)
+                self.num_generation_tokens += 1
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = min(computed, seq.num_tokens)
             self.block_manager.cache_full_blocks(seq)
-            token_id = sampled.get(seq.seq_id)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            self.num_generation_tokens += 1
-            reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq.seq_id, reason)
                 finished.append(seq)

@@ -50,6 +50,9 @@ class Sequence:
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # speculative tokens proposed for the next step (verified, never part of token_ids
+        # until accepted); the scheduler runs them after the last token
+        self.draft_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -81,6 +84,12 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_last_tokens(self, count: int) -> None:
+        """Forget the last `count` generated tokens (sampled past a stop string)."""
+        if count:
+            del self.token_ids[-count:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

@@ -10,6 +10,9 @@
 | modelship:num_preemptions_total               | vllm:num_preemptions_total          | counter   |
 | modelship:prompt_tokens_total                 | vllm:prompt_tokens_total            | counter   |
 | modelship:generation_tokens_total             | vllm:generation_tokens_total        | counter   |
+| modelship:spec_decode_num_drafts_total        | vllm:spec_decode_num_drafts_total   | counter   |
+| modelship:spec_decode_num_draft_tokens_total  | vllm:spec_decode_num_draft_tokens   | counter   |
+| modelship:spec_decode_num_accepted_tokens_total | vllm:spec_decode_num_accepted_tokens | counter |
 | modelship:request_success_total{finished_reason} | vllm:request_success_total       | counter   |
 | modelship:time_to_first_token_seconds         | vllm:time_to_first_token_seconds    | histogram |
 | modelship:inter_token_latency_seconds         | vllm:inter_token_latency_seconds    | histogram |
@@ -62,6 +65,12 @@ class _EngineCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              stats.prefix_cache_hits),
             ("num_preemptions", "Sequences preempted (recomputed later).", stats.num_preemptions),
+            ("spec_decode_num_drafts", "Sequence steps that verified speculative drafts.",
+             stats.spec_num_drafts),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+             stats.spec_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+             stats.spec_num_accepted_tokens),
         ]  # fmt: skip
         for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=names)

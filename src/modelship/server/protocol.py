@@ -93,6 +93,9 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0  # extension: higher runs first
+    # extension: prompt-lookup speculative decoding where the server has it on (None: the
+    # server's default); the output is the same either way
+    speculative: bool | None = None
 
 
 class TextPart(BaseModel):

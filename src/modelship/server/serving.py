@@ -170,6 +170,7 @@ class OpenAIServing:
                 stop=stop,
                 stop_token_ids=list(request.stop_token_ids or []),
                 ignore_eos=request.ignore_eos,
+                speculative=request.speculative,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
             )

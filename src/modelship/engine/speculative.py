@@ -1,0 +1,115 @@
+"""Speculative decoding by prompt lookup: drafts from the sequence's own tokens, verified by
+the target model in one step.
+
+Drafting (no second model): find the latest earlier occurrence of the sequence's last n
+tokens (n from `max_ngram` down to `min_ngram`) and propose the k tokens that followed it.
+Text that repeats or quotes its input (summaries, edits, code, extraction) is full of such
+continuations.
+
+Verification keeps the target distribution exact. A prompt-lookup draft is a point mass
+q = delta(d), so the rejection rule of speculative sampling (accept d with probability
+min(1, p(d) / q(d)) = p(d), else draw from (p - q)+ normalized) reduces to: draw t ~ p with
+the request's own sampler; accept the draft iff t == d; otherwise emit t. The emitted token
+has distribution p whatever the draft was, and greedy rows (t = argmax p) emit exactly the
+tokens of plain decoding. So the engine samples every verified row as it samples any row
+(penalties see the drafts before the row as output), keeps the longest prefix of drafts
+that match the samples, and emits the sample after it: 1 to k + 1 tokens per step.
+
+Drafting costs a step k more rows; a sequence whose drafts keep being rejected stops
+drafting (`SpeculationTracker`), so open-ended text is not slowed by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from modelship.engine.sequence import Sequence
+
+# A sequence stops drafting once this many of its draft tokens were checked and fewer than
+# this share was accepted: below it, a CPU step's extra rows cost more than they save.
+PROBE_DRAFT_TOKENS = 16
+MIN_ACCEPTANCE_RATE = 0.3
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_tokens: int  # k: draft tokens verified per step
+    min_ngram: int = 1
+    max_ngram: int = 3
+    by_default: bool = False  # requests that do not say speculate iff this
+    max_batch_size: int = 4  # no drafting in steps with more running sequences
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+
+
+def propose_ngram(
+    token_ids: list[int], num_tokens: int, min_ngram: int, max_ngram: int
+) -> list[int]:
+    """Up to `num_tokens` tokens that followed the latest earlier occurrence of the last n
+    tokens (longest n first); [] when none occurs."""
+    length = len(token_ids)
+    if length < min_ngram + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = tokens[length - n :]
+        # windows starting at 0 .. length - n - 1: every occurrence before the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + num_tokens].tolist()
+    return []
+
+
+def accepted_prefix(drafts: list[int], samples: list[int]) -> list[int]:
+    """The tokens a verified step emits: the drafts that match the samples of the rows before
+    them, then the sample after the last match (len(samples) == len(drafts) + 1)."""
+    emitted = []
+    for draft, sample in zip(drafts, samples, strict=False):
+        emitted.append(sample)
+        if draft != sample:
+            return emitted
+    emitted.append(samples[len(drafts)])
+    return emitted
+
+
+class SpeculationTracker:
+    """Per-sequence draft accounting and the engine's counters (vLLM's metric names)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = 0  # verified steps that carried drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self._per_seq: dict[str, list[int]] = {}  # seq_id -> [drafted, accepted]
+
+    def wants(self, seq: Sequence, speculate: bool) -> bool:
+        if not speculate:
+            return False
+        drafted, accepted = self._per_seq.get(seq.seq_id, (0, 0))
+        return drafted < PROBE_DRAFT_TOKENS or accepted >= MIN_ACCEPTANCE_RATE * drafted
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        config = self.config
+        limit = min(config.num_tokens, max_tokens)
+        if limit < 1:
+            return []
+        return propose_ngram(seq.token_ids, limit, config.min_ngram, config.max_ngram)
+
+    def record(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        counts = self._per_seq.setdefault(seq_id, [0, 0])
+        counts[0] += num_drafted
+        counts[1] += num_accepted
+
+    def forget(self, seq_id: str) -> None:
+        self._per_seq.pop(seq_id, None)

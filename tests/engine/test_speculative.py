@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from modelship.engine import LLM, SamplingParams
+from modelship.engine.sequence import Sequence
 from modelship.engine.speculative import (
     MIN_ACCEPTANCE_RATE,
     PROBE_DRAFT_TOKENS,
@@ -19,7 +20,6 @@ from modelship.engine.speculative import (
     accepted_prefix,
     propose_ngram,
 )
-from modelship.engine.sequence import Sequence
 
 # A prompt that repeats itself: the continuation a model gives is full of n-grams it saw.
 PROMPT = "one two three four five six seven. one two three four five six seven. one two"
@@ -133,19 +133,17 @@ def test_requests_opt_in_and_out(tiny_llama_dir: Path) -> None:
 
 def test_sampled_output_has_the_distribution_of_plain_sampling(engines) -> None:
     """Seeded draws, many of them, at a temperature that makes the random model's near-flat
-    logits a mix of a few likely tokens (about 3 drafts in 4 accepted): the tokens at positions where drafts
-    were accepted follow the same distribution with and without speculation (a chi-square
-    two-sample test per position; a biased verifier, e.g. always keeping a proposed
-    draft, fails it by a wide margin)."""
+    logits a mix of a few likely tokens (about 3 drafts in 4 accepted): the tokens at
+    positions where drafts were accepted follow the same distribution with and without
+    speculation (a chi-square two-sample test per position; a biased verifier, e.g. one
+    that keeps every proposed draft, fails it by a wide margin)."""
     plain, spec = engines
     num_draws, length = 400, 8
     prompts = [PROMPT] * num_draws
 
     def draws(llm: LLM) -> list[list[int]]:
         params = [
-            SamplingParams(
-                temperature=0.04, top_k=3, max_tokens=length, ignore_eos=True, seed=seed
-            )
+            SamplingParams(temperature=0.04, top_k=3, max_tokens=length, ignore_eos=True, seed=seed)
             for seed in range(num_draws)
         ]
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

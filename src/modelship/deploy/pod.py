@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -146,6 +147,10 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         flags += ["--dtype", engine.dtype]
     if not engine.cuda_graphs:
         flags += ["--enforce-eager"]
+    if engine.num_speculative_tokens:  # vLLM's prompt lookup (it speculates for all)
+        spec = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens,
+                "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
+        flags += ["--speculative-config", json.dumps(spec)]
     gpu = ctx.serving.gpu
     if gpu is not None and gpu.count > 1:
         flags += ["--tensor-parallel-size", str(gpu.count)]

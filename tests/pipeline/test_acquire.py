@@ -46,6 +46,27 @@ def hub(tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (tiny_llama_dir / "README.md").unlink()
 
 
+def test_the_base_shares_no_file_with_the_source(
+    tiny_llama_dir: Path, storage: Storage, tmp_path: Path
+) -> None:
+    """The base is a copy: a weights file truncated in storage leaves the user's folder
+    whole (a hard link would cut both), and the next acquire makes a whole base again."""
+    source = tmp_path / "source"
+    shutil.copytree(tiny_llama_dir, source)
+    base = acquire(str(source), storage, name="tiny").path
+    for path in base.iterdir():
+        if (source / path.name).is_file():
+            assert not (source / path.name).samefile(path), path.name
+    size = (source / "model.safetensors").stat().st_size
+    with open(base / "model.safetensors", "r+b") as handle:
+        handle.truncate(size // 2)
+    assert (source / "model.safetensors").stat().st_size == size
+    again = acquire(str(source), storage, name="tiny")
+    assert not again.memoized
+    assert (again.path / "model.safetensors").stat().st_size == size
+    verify_artifact(again.path, full=True)
+
+
 def test_local_folder_is_validated_and_copied(tiny_llama_dir: Path, storage: Storage) -> None:
     result = acquire(str(tiny_llama_dir), storage, name="tiny")
     assert result.path == storage.base_dir("tiny")

@@ -174,11 +174,11 @@ def _materialize(
     if spec.kind is SourceKind.HUB:
         cache = storage.cache_dir("huggingface")
         snapshot = hub.download_snapshot(spec.location, inputs["revision"], cache, progress)
-        link_tree(snapshot, staging)
+        link_tree(snapshot, staging, copy=True)
     elif spec.kind is SourceKind.LOCAL:
         folder = Path(spec.location)
         validate_model_folder(folder)
-        link_tree(folder, staging)
+        link_tree(folder, staging, copy=True)
     else:
         gguf.convert_gguf(Path(spec.location), staging, progress)
 

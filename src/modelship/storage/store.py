@@ -217,10 +217,14 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def link_tree(source: Path, destination: Path) -> None:
-    """Hard-link (or copy, across file systems) an artifact's files into `destination`,
-    leaving out its manifest (the new artifact gets its own).
+def link_tree(source: Path, destination: Path, copy: bool = False) -> None:
+    """Hard-link (or copy, across file systems or with `copy`) an artifact's files into
+    `destination`, leaving out its manifest (the new artifact gets its own).
 
+    Links are for artifacts of one storage, which nobody writes after their manifest.
+    Files that come from outside (a user's folder, the Hub download cache) are copied: a
+    link would share their inode, so damage on either side (a file truncated in place)
+    would silently change the other, and remaking the artifact would link the damage back.
     Symlinks (a Hub snapshot's entries point into its blob store) are followed.
     """
     for path in sorted(source.rglob("*")):
@@ -228,10 +232,13 @@ def link_tree(source: Path, destination: Path) -> None:
             continue
         target = destination / path.relative_to(source)
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path.resolve(), target)
-        except OSError:
-            shutil.copyfile(path, target)
+        if not copy:
+            try:
+                os.link(path.resolve(), target)
+                continue
+            except OSError:
+                pass
+        shutil.copyfile(path, target)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

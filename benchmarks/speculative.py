@@ -55,6 +55,7 @@ def run(
     engine: LLMEngine, prompts: list[str], concurrency: int, max_tokens: int, speculative: bool
 ):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, speculative=speculative)
+    engine.block_manager.reset_prefix_cache()  # each run computes its prompts
     pending = list(enumerate(prompts))
     arrivals: dict[str, list[float]] = {}
     stats_before = engine.stats()
@@ -63,9 +64,10 @@ def run(
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
             index, prompt = pending.pop(0)
-            ids = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            text = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
+            ids = engine.tokenizer(text, add_special_tokens=False).input_ids
             engine.add_request(f"r{index}-{speculative}", list(ids), params)
             arrivals[f"r{index}-{speculative}"] = []
             in_flight += 1
@@ -98,6 +100,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=SpeculativeConfig(1).max_batch_size,
+        help="no drafts in steps with more running sequences (the serve default)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model = args.model
@@ -138,6 +146,7 @@ def main() -> None:
                              "speedup": speedup})  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"model": str(model), "num_tokens": args.num_tokens,
+                                        "max_batch_size": args.max_batch_size,
                                         "results": results}, indent=2))  # fmt: skip
 
 

@@ -64,3 +64,29 @@ def test_more_prompts_than_the_cap_is_a_400() -> None:
     assert info.value.status_code == 400
     ok = b'{"model": "m", "prompt": [[1, 2], [3]]}'
     assert parse_request(ok, "/v1/completions", None, limits).num_sequences == 2
+
+
+def _chunks(total: int, size: int = 2**16):
+    sent = 0
+    while sent < total:
+        yield b" " * min(size, total - sent)
+        sent += size
+
+
+def test_a_body_over_the_cap_is_an_openai_413_declared_or_chunked() -> None:
+    """No size cap: a client could make the gateway buffer (and JSON-parse) any body. Over
+    `max_body_mb` it is refused: by its Content-Length before reading, or, chunked, as
+    soon as the bytes received pass the cap."""
+    config = GatewayConfig(request_limits=RequestLimitsConfig(max_body_mb=1))
+    service = GatewayService(config, EndpointPool(config.resilience))
+    client = TestClient(create_gateway_app(service, health_checks=False))
+    declared = client.post("/v1/completions", content=b" " * (2**20 + 1),
+                           headers={"content-type": "application/json"})  # fmt: skip
+    chunked = client.post("/v1/completions", content=_chunks(3 * 2**20),
+                          headers={"content-type": "application/json"})  # fmt: skip
+    for response in (declared, chunked):
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+    small = client.post("/v1/completions", content=b"{" + b" " * 2**19,
+                        headers={"content-type": "application/json"})  # fmt: skip
+    assert small.status_code == 400  # under the cap: parsed, and refused for what it is

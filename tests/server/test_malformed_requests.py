@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from modelship.engine.outputs import EngineStats
 from modelship.engine.tokenizer import Tokenizer
 from modelship.server.app import create_app
+from modelship.server.limits import RequestLimitsConfig
 
 MODEL = "tiny"
 
@@ -133,3 +134,20 @@ def test_repetition_penalties_that_overflow_logits_are_400s(client, value: float
     response = post(client, "/v1/chat/completions", json.dumps(body))
     error = assert_openai_error(response, 400, "repetition_penalty must be in [0.01, 100.0]")
     assert error["param"] == "repetition_penalty"
+
+
+def test_a_body_over_the_cap_is_an_openai_413(tiny_llama_dir: Path) -> None:
+    """`serve --max-body-mb`: a declared or a chunked body past it is refused unread."""
+    engine = RefusingEngine(Tokenizer.from_folder(tiny_llama_dir))
+    limited = TestClient(create_app(engine, MODEL, limits=RequestLimitsConfig(max_body_mb=1)),
+                         raise_server_exceptions=False)  # fmt: skip
+
+    def chunks():
+        for _ in range(48):
+            yield b" " * 2**16
+
+    for content in (b" " * (2**20 + 1), chunks()):
+        response = limited.post("/v1/completions", content=content,
+                                headers={"content-type": "application/json"})  # fmt: skip
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"

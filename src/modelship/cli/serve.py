@@ -91,6 +91,9 @@ def serve(
     ] = 16,
     max_stop_chars: Annotated[int, typer.Option(help="Longest stop string.")] = 256,
     max_prompts: Annotated[int, typer.Option(help="Most prompts per completion request.")] = 64,
+    max_body_mb: Annotated[
+        int, typer.Option(help="Largest request body in MiB (413 beyond).")
+    ] = 16,
     grace_period: Annotated[
         float, typer.Option(help="Seconds to finish requests on SIGTERM.")
     ] = 30.0,
@@ -132,7 +135,7 @@ def serve(
     )
     try:
         validate_model_folder(model_dir)
-        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars, max_prompts)
+        limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars, max_prompts, max_body_mb)
         options = EngineOptions(
             device=device,
             dtype=dtype,

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelship.body_limit import BodySizeLimit
 from modelship.gateway.canary import Track
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
@@ -89,6 +90,8 @@ def create_gateway_app(
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: no_route})
     app.state.service = service
+    max_body_mb = service.config.request_limits.max_body_mb
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_mb * 2**20)
     return app
 
 

@@ -85,6 +85,7 @@ class RequestLimitsConfig(_Section):
     max_stop: int = Field(default=16, ge=1)  # stop strings per request
     max_stop_chars: int = Field(default=256, ge=1)  # characters per stop string
     max_prompts: int = Field(default=64, ge=1)  # prompts per completion request
+    max_body_mb: int = Field(default=16, ge=1)  # request body, refused with 413 beyond
 
 
 class GatewayConfig(_Section):

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from modelship.body_limit import BodySizeLimit
 from modelship.engine import AsyncLLMEngine, EngineCoreClient, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.chat import create_chat_completion
@@ -80,6 +81,8 @@ def create_app(
     app.state.server = state
 
     app.add_middleware(InflightMiddleware, state=state)
+    max_body_mb = (limits or RequestLimitsConfig()).max_body_mb
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_mb * 2**20)
 
     async def authenticate(request: Request) -> None:
         if api_key is None:

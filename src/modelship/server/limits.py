@@ -22,9 +22,10 @@ class RequestLimitsConfig:
     max_stop: int = 16  # stop strings per request, and stop token ids per request
     max_stop_chars: int = 256  # characters per stop string
     max_prompts: int = 64  # prompts per completion request (each runs n sequences)
+    max_body_mb: int = 16  # request body size, refused with 413 beyond (`body_limit`)
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop", "max_stop_chars", "max_prompts"):
+        for name in ("max_n", "max_stop", "max_stop_chars", "max_prompts", "max_body_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 

@@ -83,6 +83,9 @@ class ServeConfig(Section):
     served_model_name: str | None = None  # None: the model's slug
     api_key: str | None = None
     grace_period_s: float = Field(default=30.0, ge=0)
+    # one engine step running past this makes a replica report itself stalled (/ready and
+    # /health 503): routed around, then replaced (`serve --stall-timeout`)
+    stall_timeout_s: float = Field(default=120.0, ge=1.0)
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
 

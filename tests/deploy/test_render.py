@@ -111,7 +111,7 @@ def test_our_engine_runs_modelship_serve_with_engine_flags() -> None:
         "serve", f"/data/models/{NAME}/production", "--host", "0.0.0.0", "--port", "8000",
         "--served-model-name", NAME, *config.serve.engine.cli_args()[:1],
     ]  # fmt: skip
-    assert container["args"][-2:] == ["--grace-period", "30"]
+    assert container["args"][-4:] == ["--grace-period", "30", "--stall-timeout", "120"]
     mount = container["volumeMounts"][0]
     assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
 

@@ -53,6 +53,7 @@ def helm_values(ctx: RenderContext) -> Json:
             "port": ctx.port,
             "flags": engine_flags(ctx),
             "gracePeriodSeconds": ctx.config.serve.grace_period_s,
+            "stallTimeoutSeconds": ctx.config.serve.stall_timeout_s,
             "drainDelaySeconds": serving.drain_delay_s,
             "resources": _resources(serving.resources),
             "gpu": _gpu(serving.gpu),

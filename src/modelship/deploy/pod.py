@@ -179,6 +179,7 @@ def engine_args(ctx: RenderContext, model_dir: str) -> tuple[list[str], list[str
         "--served-model-name", ctx.served_model_name,
         *engine_flags(ctx),
         "--grace-period", grace_period_arg(ctx.config.serve.grace_period_s),
+        "--stall-timeout", grace_period_arg(ctx.config.serve.stall_timeout_s),
     ]  # fmt: skip
     return ["modelship"], args
 

@@ -73,10 +73,12 @@ class LocalFleet:
             "--served-model-name", self.served_model_name,
             "--variant", spec.variant,
             "--grace-period", str(serve.grace_period_s),
+            "--stall-timeout", str(serve.stall_timeout_s),
             "--max-n", str(limits.max_n),
             "--max-stop", str(limits.max_stop),
             "--max-stop-chars", str(limits.max_stop_chars),
             "--max-prompts", str(limits.max_prompts),
+            "--max-body-mb", str(limits.max_body_mb),
         ]  # fmt: skip
         return ReplicaProcess(
             spec.model_dir,

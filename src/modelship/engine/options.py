@@ -20,6 +20,9 @@ class EngineOptions(BaseModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_prefill_chunk: int = Field(default=256, ge=1)
     kv_cache_memory_mb: int = Field(default=512, ge=1)
+    # None ("auto" as a flag): fp32 on CPU, the compute dtype on CUDA; int8: ~3.7x the
+    # blocks of fp32 in the same memory (one fp32 scale per key/value head vector)
+    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8"] | None = None
     block_size: int = Field(default=16, ge=1)
     max_waiting_requests: int = Field(default=1024, ge=0)
     prefix_caching: bool = True
@@ -45,6 +48,7 @@ class EngineOptions(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_prefill_chunk=self.max_prefill_chunk,
             kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
+            kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size,
             max_waiting_requests=self.max_waiting_requests,
             enable_prefix_caching=self.prefix_caching,
@@ -77,6 +81,7 @@ class EngineOptions(BaseModel):
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-prefill-chunk", str(self.max_prefill_chunk),
             "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
+            "--kv-cache-dtype", self.kv_cache_dtype or "auto",
             "--block-size", str(self.block_size),
             "--max-waiting-requests", str(self.max_waiting_requests),
             "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",

@@ -1,7 +1,8 @@
 """Paged attention over the flat KV cache: modelship's CPU kernel, Triton on CUDA, or SDPA.
 
-On an AVX2 CPU with an fp32 cache (the default there) every token of the step, decode and
-prefill alike, goes through one kernel call per layer: the model calls
+On an AVX2 CPU with an fp32 cache (the default there) or an int8 one (`KVCache.scales`;
+the kernel quantizes on write and dequantizes in its dot products) every token of the step,
+decode and prefill alike, goes through one kernel call per layer: the model calls
 `cpu_kernels.rope_paged_attention` (RoPE, the K/V write, then attention);
 `paged_attention` below takes the same metadata for already-rotated q/k. The kernel reads
 K/V through the block tables in place and visits each query's keys block by block in
@@ -13,7 +14,8 @@ in a CUDA graph and replayed for any context lengths. Elsewhere, SDPA:
 
 Measured on a 2-core CPU: fp32 `scaled_dot_product_attention(..., enable_gqa=True)` is fast
 and exact for decode, bf16 SDPA is several times slower, and repeating KV heads costs more
-than it saves. So attention runs in the KV cache's dtype (fp32 on CPU by default): all
+than it saves. So attention runs in the KV cache's dtype (fp32 on CPU by default; an int8
+cache is dequantized to fp32 as it is gathered): all
 decode requests (one query token) in one batched SDPA call over their gathered, padded
 contexts, and each prefill chunk in its own call with a causal mask offset by the tokens
 already computed. Everything index-like is built once per step in `AttentionMetadata.build`
@@ -179,9 +181,9 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Write this step's K/V into the cache at `meta.slot_mapping`, then let every query
     attend causally to its request's whole context, read through its block table."""
-    out_dtype, work_dtype = q.dtype, cache.kv.dtype
+    out_dtype, work_dtype = q.dtype, cache.dtype  # fp32 for an int8 cache
     kv = kv.to(work_dtype)
-    cache.kv.index_copy_(0, meta.slot_mapping, kv)
+    cache.write(meta.slot_mapping, kv)
     if meta.backend == "triton":
         from modelship.model import triton_attention
 
@@ -200,6 +202,7 @@ def paged_attention(
         out = cpu_kernels.paged_attention(
             q.to(torch.float32).contiguous(),
             cache.kv,
+            cache.scales,
             meta.block_table,
             meta.token_request,
             meta.token_position,
@@ -239,10 +242,12 @@ def _sdpa(
         out[meta.decode_rows] = _decode(q.index_select(0, meta.decode_rows), cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if chunk.context_slots is None:  # whole prompt in this chunk: its K/V are at hand
+        if chunk.context_slots is None and cache.scales is None:  # whole prompt: K/V at hand
             context = kv[rows]
+        elif chunk.context_slots is None:  # int8: attend to the K/V as the cache holds them
+            context = cache.read(meta.slot_mapping[rows])
         else:
-            context = cache.kv.index_select(0, chunk.context_slots)  # [seq_len, 2, kv_heads, dim]
+            context = cache.read(chunk.context_slots)  # [seq_len, 2, kv_heads, dim]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),  # [1, heads, num_tokens, head_dim]
             context[:, 0].transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
@@ -265,7 +270,7 @@ def _decode(
     """One query token per request, all requests in one SDPA call over padded contexts."""
     assert meta.decode_slots is not None
     num_decode, max_len = meta.decode_slots.shape
-    context = cache.kv.index_select(0, meta.decode_slots.view(-1))
+    context = cache.read(meta.decode_slots.view(-1))
     context = context.view(num_decode, max_len, *cache.kv.shape[1:])  # [b, len, 2, kv_heads, d]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [num_decode, heads, 1, head_dim]
@@ -284,8 +289,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "triton", "sdpa")
 def resolve_attention_backend(
     backend: str, device: torch.device | str, cache_dtype: torch.dtype
 ) -> str:
-    """ "auto" -> "cpu" on an AVX2 CPU with an fp32 cache (kernel built), "triton" on CUDA
-    where triton imports, else "sdpa". "triton" on a CPU only under TRITON_INTERPRET=1
+    """ "auto" -> "cpu" on an AVX2 CPU with an fp32 or int8 cache (kernel built), "triton"
+    on CUDA where triton imports, else "sdpa". "triton" on a CPU only under TRITON_INTERPRET=1
     (Triton's interpreter: slow, for tests)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(
@@ -294,11 +299,13 @@ def resolve_attention_backend(
     device_type = torch.device(device).type
     if backend == "triton" or (backend == "auto" and device_type == "cuda"):
         return _resolve_triton(backend, device_type, cache_dtype)
-    usable = device_type == "cpu" and cache_dtype == torch.float32
+    usable = device_type == "cpu" and cache_dtype in (torch.float32, torch.int8)
     if backend == "sdpa" or (backend == "auto" and not usable):
         return "sdpa"
     if not usable:
-        raise ValueError("the cpu attention backend needs a CPU device and an fp32 KV cache")
+        raise ValueError(
+            "the cpu attention backend needs a CPU device and an fp32 KV cache (or an int8 one)"
+        )
     if not cpu_kernels.load():
         if backend == "cpu":
             raise RuntimeError("the cpu attention backend needs modelship's kernels (AVX2)")
@@ -320,7 +327,10 @@ def _resolve_triton(backend: str, device_type: str, cache_dtype: torch.dtype) ->
     if cache_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         if backend == "auto":
             return "sdpa"
-        raise ValueError(f"the triton attention backend has no {cache_dtype} KV cache")
+        raise ValueError(
+            f"the triton attention backend has no {cache_dtype} KV cache "
+            "(float32, bfloat16, float16; an int8 cache runs on the cpu or sdpa backend)"
+        )
     if device_type == "cuda":
         return "triton"
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":

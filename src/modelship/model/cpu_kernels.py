@@ -22,8 +22,12 @@ import hashlib
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from modelship.model.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +147,8 @@ def q8_linear(
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, heads, head_dim] fp32, contiguous
-    kv: torch.Tensor,  # [num_slots, 2, kv_heads, head_dim] fp32
+    kv: torch.Tensor,  # [num_slots, 2, kv_heads, head_dim] fp32 or int8
+    kv_scales: torch.Tensor | None,  # [num_slots, 2, kv_heads] fp32 with an int8 kv, else None
     block_table: torch.Tensor,  # [num_requests, width] int32
     token_request: torch.Tensor,  # [num_tokens] int32
     token_position: torch.Tensor,  # [num_tokens] int32
@@ -151,23 +156,25 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] fp32
     return torch.ops.modelship.paged_attention(
-        q, kv, block_table, token_request, token_position, block_size, scale
+        q, kv, kv_scales, block_table, token_request, token_position, block_size, scale
     )
 
 
 def rope_paged_attention(
     qkv: torch.Tensor,  # [num_tokens, (heads + 2 * kv_heads) * head_dim], before RoPE
-    kv: torch.Tensor,  # [num_slots, 2, kv_heads, head_dim] fp32: this step's K/V land here
+    cache: KVCache,  # fp32 or int8: this step's K/V land here
     cos: torch.Tensor,  # [max_positions, head_dim] fp32
     sin: torch.Tensor,  # [max_positions, head_dim] fp32, rotate-half sign folded in
     meta,  # AttentionMetadata built for the "cpu" backend
     scale: float,
     num_heads: int,
 ) -> torch.Tensor:  # [num_tokens, heads * head_dim] in qkv's dtype
-    """RoPE on q and k, the cache write and paged attention in one call (one layer)."""
+    """RoPE on q and k, the cache write (int8: quantized per head vector, as
+    `kv_cache.quantize_kv`) and paged attention in one call (one layer)."""
     return torch.ops.modelship.rope_paged_attention(
         qkv.contiguous(),
-        kv,
+        cache.kv,
+        cache.scales,
         cos,
         sin,
         meta.slot_mapping,

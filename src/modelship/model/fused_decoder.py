@@ -68,7 +68,7 @@ class FusedDecoder:
     def __call__(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]: the step's embeddings
-        kv_caches: list[KVCache],  # fp32, one per layer: this step's K/V are written here
+        kv_caches: list[KVCache],  # fp32 or int8, one per layer: this step's K/V land here
         cos: torch.Tensor,  # [max_positions, head_dim] fp32
         sin: torch.Tensor,  # [max_positions, head_dim] fp32, rotate-half sign folded in
         meta: AttentionMetadata,  # built for the "cpu" backend
@@ -78,6 +78,7 @@ class FusedDecoder:
             self.weights,
             self.final_norm,
             [cache.kv for cache in kv_caches],
+            [cache.scales for cache in kv_caches if cache.scales is not None],
             cos,
             sin,
             meta.slot_mapping,

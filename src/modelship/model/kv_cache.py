@@ -1,4 +1,4 @@
-"""The paged KV cache: one pair of flat slot tensors per layer."""
+"""The paged KV cache: one pair of flat slot tensors per layer, fp32/bf16/fp16 or int8."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ class KVCache:
     `block_id`. A slot's key and value sit side by side, so attention writes and gathers
     both with one op. The dtype may differ from the compute dtype; attention casts on write
     and read. Unwritten slots are zero (never NaN), so masked-out padding reads are harmless.
+
+    An int8 cache also holds `scales`: each written key or value head vector x is stored
+    as round(x / s) with s = absmax(x) / 127 (`quantize_kv`), and s sits in the same slot,
+    so a block carries its own scales (prefix-cache hits need nothing else).
     """
 
     kv: torch.Tensor  # [num_blocks * block_size, 2, num_kv_heads, head_dim]
+    scales: torch.Tensor | None = None  # [num_blocks * block_size, 2, num_kv_heads] fp32: int8
 
     @property
     def k(self) -> torch.Tensor:  # [num_blocks * block_size, num_kv_heads, head_dim], a view
@@ -29,11 +34,51 @@ class KVCache:
     def v(self) -> torch.Tensor:  # [num_blocks * block_size, num_kv_heads, head_dim], a view
         return self.kv[:, 1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype keys and values are read in: the storage's, fp32 for an int8 cache."""
+        return self.kv.dtype if self.scales is None else self.scales.dtype
+
+    def write(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store `kv` [n, 2, num_kv_heads, head_dim] (in `self.dtype`) at `slots` [n]."""
+        if self.scales is None:
+            self.kv.index_copy_(0, slots, kv)
+            return
+        values, scales = quantize_kv(kv)
+        self.kv.index_copy_(0, slots, values)
+        self.scales.index_copy_(0, slots, scales)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, 2, num_kv_heads, head_dim] in `self.dtype`: the slots' K/V, dequantized.
+        Does not modify the cache."""
+        values = self.kv.index_select(0, slots)
+        if self.scales is None:
+            return values
+        return dequantize_kv(values, self.scales.index_select(0, slots))
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] float -> (int8 [..., head_dim], fp32 scales [...]): symmetric absmax
+    per head vector, rounded to nearest even (as `csrc/attention_cpu.cpp` writes them)."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1) / 127
+    inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+    values = (x * inv.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return values, scales
+
+
+def dequantize_kv(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 [..., head_dim] and fp32 scales [...] -> fp32 [..., head_dim]."""
+    return values.float() * scales.unsqueeze(-1)
+
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (keys and values), to size the pool."""
+    """Bytes one block costs across all layers (keys, values and, int8, their scales), to
+    size the pool."""
+    vectors = 2 * config.num_layers * block_size * config.num_kv_heads
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+    scale_bytes = 4 if dtype == torch.int8 else 0
+    return vectors * (config.head_dim * itemsize + scale_bytes)
 
 
 def allocate_kv_cache(
@@ -43,12 +88,18 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[KVCache]:
-    """Zero-filled caches, one per layer, each with `num_blocks * block_size` slots."""
+    """Zero-filled caches, one per layer, each with `num_blocks * block_size` slots; an int8
+    `dtype` gives int8 values with fp32 scales."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(
             f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
         )
     shape = (num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)
-    ]
+    caches = []
+    for _ in range(config.num_layers):
+        kv = torch.zeros(shape, dtype=dtype, device=device)
+        scales = None
+        if dtype == torch.int8:
+            scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        caches.append(KVCache(kv, scales))
+    return caches

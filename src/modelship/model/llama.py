@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
         if meta.backend == "cpu":  # one kernel call: RoPE, cache write and attention
             # cos/sin are the whole tables here, indexed by position inside the kernel
             attn = cpu_kernels.rope_paged_attention(
-                qkv, cache.kv, cos, sin, meta, self.scale, heads
+                qkv, cache, cos, sin, meta, self.scale, heads
             )  # [num_tokens, q_size]
             residual = self.o_proj(attn).add_(residual)
             return self.mlp(self.post_attention_layernorm(residual)), residual

@@ -7,7 +7,8 @@
 // is what makes greedy decoding repeatable across batch compositions and cache hits.
 //
 //   q            [T, H, D] fp32 (rotated), contiguous
-//   kv           [num_slots, 2, KVH, D] fp32: slot = block_id * block_size + offset
+//   kv           [num_slots, 2, KVH, D] fp32 or int8: slot = block_id * block_size + offset
+//   kv_scales    [num_slots, 2, KVH] fp32 for an int8 kv (one per head vector), else none
 //   block_table  [R, W] int32: physical blocks of each request
 //   token_req    [T] int32: the request of each query token
 //   token_pos    [T] int32: the position of each query token (attends 0 .. pos)
@@ -17,8 +18,11 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -27,16 +31,39 @@ namespace {
 
 using modelship::exp8;
 using modelship::hsum;
+using modelship::load8;
+using modelship::PagedKV;
 
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
-inline float dot(const float* a, const float* b, int D) {
+// q . k for a float or int8 key (int8: not yet times its scale)
+template <typename T>
+inline float dot(const float* a, const T* b, int D) {
   __m256 acc = _mm256_setzero_ps();
   for (int d = 0; d < D; d += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc);
   }
   return hsum(acc);
+}
+
+// One head vector -> int8 and its scale, as `kv_cache.quantize_kv`: s = absmax / 127,
+// q = round(x / s) to nearest even. A vector with a NaN or infinity gets a NaN scale, so
+// what reads it stays non-finite (and the sampler refuses the row).
+inline void quantize_head(const float* x, int64_t D, int8_t* out, float* scale) {
+  float absmax = 0.0f;
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    const float m = std::fabs(x[d]);
+    finite = finite && std::isfinite(m);
+    absmax = std::max(absmax, m);
+  }
+  const float s = absmax / 127.0f;
+  const float inv = finite && s > 0.0f ? 1.0f / s : 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    out[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] * inv), -127.0f, 127.0f));
+  }
+  *scale = finite ? s : std::numeric_limits<float>::quiet_NaN();
 }
 
 void check_shapes(int64_t H, int64_t KVH, int64_t D) {
@@ -95,32 +122,54 @@ void check_paged_step(const PagedStep& step, int64_t num_slots) {
   }
 }
 
+template <typename T>
 void rope_write_kv(const float* qkv, const PagedStep& step, const float* cos, const float* sin,
-                   int64_t H, int64_t KVH, int64_t D, float* q, float* kv) {
+                   int64_t H, int64_t KVH, int64_t D, float* q, PagedKV<T> cache) {
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  T* kv = cache.values;
   const int64_t width = (H + 2 * KVH) * D, half = D / 2;
   const int64_t* slots = step.slot_mapping;
   const int32_t* pos = step.token_pos;
   at::parallel_for(0, step.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) float rotated[kMaxHeadDim];  // int8: a k head before its quantization
     for (int64_t t = begin; t < end; ++t) {
       const float* row = qkv + t * width;
       const float* c = cos + pos[t] * D;
       const float* sn = sin + pos[t] * D;
       for (int64_t h = 0; h < H + KVH; ++h) {  // q heads, then k heads: rotated
         const float* x = row + h * D;
-        float* dst = h < H ? q + (t * H + h) * D : kv + ((slots[t] * 2 + 0) * KVH + (h - H)) * D;
+        const int64_t k_vector = (slots[t] * 2 + 0) * KVH + (h - H);  // for h >= H
+        float* dst;
+        if constexpr (kInt8) {
+          dst = h < H ? q + (t * H + h) * D : rotated;
+        } else {
+          dst = h < H ? q + (t * H + h) * D : kv + k_vector * D;
+        }
         for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * c[d] + x[(d + half) % D] * sn[d];
+        if constexpr (kInt8) {
+          if (h >= H) quantize_head(rotated, D, kv + k_vector * D, cache.scales + k_vector);
+        }
       }
-      for (int64_t h = 0; h < KVH; ++h) {  // v heads: copied
-        float* dst = kv + ((slots[t] * 2 + 1) * KVH + h) * D;
+      for (int64_t h = 0; h < KVH; ++h) {  // v heads: copied (int8: quantized)
+        const int64_t v_vector = (slots[t] * 2 + 1) * KVH + h;
         const float* x = row + (H + KVH + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+        if constexpr (kInt8) {
+          quantize_head(x, D, kv + v_vector * D, cache.scales + v_vector);
+        } else {
+          float* dst = kv + v_vector * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+        }
       }
     }
   });
 }
 
-void paged_attention_rows(const float* qp, const float* kvp, const PagedStep& step, int64_t H,
+template <typename T>
+void paged_attention_rows(const float* qp, PagedKV<T> cache, const PagedStep& step, int64_t H,
                           int64_t KVH, int64_t D, float scale, float* op) {
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  const T* kvp = cache.values;
+  const float* kv_scales = cache.scales;  // [num_slots, 2, KVH], int8 only
   const int64_t group = H / KVH, width = step.width, block_size = step.block_size;
   const int32_t* table = step.block_table;
   const int32_t* req = step.token_req;
@@ -145,8 +194,13 @@ void paged_attention_rows(const float* qp, const float* kvp, const PagedStep& st
           const float* qv = qp + (t * H + h_kv * group + g) * D;
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < n; ++j) {
-            const float* k = kvp + ((base_slot + j) * 2 * KVH + h_kv) * D;
-            scores[j] = dot(qv, k, D) * scale;
+            const int64_t k_vector = (base_slot + j) * 2 * KVH + h_kv;
+            const T* k = kvp + k_vector * D;
+            if constexpr (kInt8) {
+              scores[j] = dot(qv, k, D) * (kv_scales[k_vector] * scale);
+            } else {
+              scores[j] = dot(qv, k, D) * scale;
+            }
             block_max = std::max(block_max, scores[j]);
           }
           const float new_max = std::max(run_max[g], block_max);
@@ -174,10 +228,13 @@ void paged_attention_rows(const float* qp, const float* kvp, const PagedStep& st
             _mm256_store_ps(a + d, _mm256_mul_ps(_mm256_load_ps(a + d), r));
           }
           for (int64_t j = 0; j < n; ++j) {
-            const float* v = kvp + ((base_slot + j) * 2 * KVH + KVH + h_kv) * D;
-            const __m256 w = _mm256_set1_ps(scores[j]);
+            const int64_t v_vector = (base_slot + j) * 2 * KVH + KVH + h_kv;
+            const T* v = kvp + v_vector * D;
+            float weight = scores[j];
+            if constexpr (kInt8) weight *= kv_scales[v_vector];
+            const __m256 w = _mm256_set1_ps(weight);
             for (int64_t d = 0; d < D; d += 8) {
-              _mm256_store_ps(a + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_load_ps(a + d)));
+              _mm256_store_ps(a + d, _mm256_fmadd_ps(w, load8(v + d), _mm256_load_ps(a + d)));
             }
           }
         }
@@ -193,16 +250,54 @@ void paged_attention_rows(const float* qp, const float* kvp, const PagedStep& st
   });
 }
 
+template void rope_write_kv<float>(const float*, const PagedStep&, const float*, const float*,
+                                   int64_t, int64_t, int64_t, float*, PagedKV<float>);
+template void rope_write_kv<int8_t>(const float*, const PagedStep&, const float*, const float*,
+                                    int64_t, int64_t, int64_t, float*, PagedKV<int8_t>);
+template void paged_attention_rows<float>(const float*, PagedKV<float>, const PagedStep&,
+                                          int64_t, int64_t, int64_t, float, float*);
+template void paged_attention_rows<int8_t>(const float*, PagedKV<int8_t>, const PagedStep&,
+                                           int64_t, int64_t, int64_t, float, float*);
+
 }  // namespace modelship
 
+namespace {
+
+// kv: fp32 without scales, or int8 with fp32 scales [slots, 2, KVH].
+void check_cache(const torch::Tensor& kv, const std::optional<torch::Tensor>& kv_scales) {
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.size(1) == 2 &&
+                  (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kChar),
+              "kv: contiguous fp32 or int8 [slots, 2, KVH, D]");
+  const bool has_scales = kv_scales.has_value() && kv_scales->defined();
+  TORCH_CHECK(has_scales == (kv.scalar_type() == at::kChar),
+              "kv_scales: given with an int8 kv, and only then");
+  if (has_scales) {
+    const torch::Tensor& s = *kv_scales;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 3 &&
+                    s.size(0) == kv.size(0) && s.size(1) == 2 && s.size(2) == kv.size(2),
+                "kv_scales: contiguous fp32 [slots, 2, KVH]");
+  }
+}
+
+// Calls f(PagedKV<float>) or f(PagedKV<int8_t>) for a cache that passed check_cache.
+template <typename F>
+void with_cache(const torch::Tensor& kv, const std::optional<torch::Tensor>& kv_scales, F f) {
+  if (kv.scalar_type() == at::kChar) {
+    f(PagedKV<int8_t>{kv.data_ptr<int8_t>(), kv_scales->data_ptr<float>()});
+  } else {
+    f(PagedKV<float>{kv.data_ptr<float>(), nullptr});
+  }
+}
+
+}  // namespace
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
+                              const std::optional<torch::Tensor>& kv_scales,
                               const torch::Tensor& block_table, const torch::Tensor& token_req,
                               const torch::Tensor& token_pos, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
               "q: contiguous fp32 [T, H, D]");
-  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat &&
-                  kv.size(1) == 2,
-              "kv: contiguous fp32 [slots, 2, KVH, D]");
+  check_cache(kv, kv_scales);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = kv.size(2);
   TORCH_CHECK(kv.size(3) == D, "q and kv: the same head_dim");
   check_shapes(H, KVH, D);
@@ -210,18 +305,22 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
   TORCH_CHECK(step.num_tokens == T, "one request and position per token");
   modelship::check_paged_step(step, kv.size(0));
   auto out = torch::empty_like(q);
-  modelship::paged_attention_rows(q.data_ptr<float>(), kv.data_ptr<float>(), step, H, KVH, D,
-                                  static_cast<float>(scale), out.data_ptr<float>());
+  with_cache(kv, kv_scales, [&](auto cache) {
+    modelship::paged_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
+                                    static_cast<float>(scale), out.data_ptr<float>());
+  });
   return out;
 }
 
 // One decoder layer's attention after its q/k/v projection, in one call: rotate q and k
 // (RoPE in fp32, HF's rotate-half layout, tables with the sign folded into `sin`), write
-// this step's k and v into the cache at `slot_mapping`, then `paged_attention`.
+// this step's k and v into the cache at `slot_mapping` (int8: quantized per head vector),
+// then `paged_attention`.
 //   qkv  [T, (H + 2 * KVH) * D] bf16 or fp32: q heads | k heads | v heads per token
 //   cos, sin  [max_positions, D] fp32
 //   -> [T, H * D] in qkv's dtype
 torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor& kv,
+                                   const std::optional<torch::Tensor>& kv_scales,
                                    const torch::Tensor& cos, const torch::Tensor& sin,
                                    const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_table,
@@ -230,8 +329,7 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [T, (H + 2 KVH) D]");
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat,
               "qkv: bf16 or fp32");
-  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.scalar_type() == at::kFloat,
-              "kv: contiguous fp32 [slots, 2, KVH, D]");
+  check_cache(kv, kv_scales);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
               "cos and sin: contiguous fp32 [max_positions, D]");
@@ -248,22 +346,23 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
   const auto qkv_f32 = qkv.to(at::kFloat);  // a no-op for fp32
   auto q = torch::empty({T, H, D}, qkv.options().dtype(at::kFloat));
   auto out = torch::empty({T, H * D}, qkv.options().dtype(at::kFloat));
-  modelship::rope_write_kv(qkv_f32.data_ptr<float>(), step, cos.data_ptr<float>(),
-                           sin.data_ptr<float>(), H, KVH, D, q.data_ptr<float>(),
-                           kv.data_ptr<float>());
-  modelship::paged_attention_rows(q.data_ptr<float>(), kv.data_ptr<float>(), step, H, KVH, D,
-                                  static_cast<float>(scale), out.data_ptr<float>());
+  with_cache(kv, kv_scales, [&](auto cache) {
+    modelship::rope_write_kv(qkv_f32.data_ptr<float>(), step, cos.data_ptr<float>(),
+                             sin.data_ptr<float>(), H, KVH, D, q.data_ptr<float>(), cache);
+    modelship::paged_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
+                                    static_cast<float>(scale), out.data_ptr<float>());
+  });
   return out.to(qkv.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(modelship, m) {
   m.def(
-      "rope_paged_attention(Tensor qkv, Tensor(a!) kv, Tensor cos, Tensor sin, "
-      "Tensor slot_mapping, Tensor block_table, Tensor token_req, Tensor token_pos, "
-      "int block_size, float scale, int num_heads) -> Tensor");
+      "rope_paged_attention(Tensor qkv, Tensor(a!) kv, Tensor(b!)? kv_scales, Tensor cos, "
+      "Tensor sin, Tensor slot_mapping, Tensor block_table, Tensor token_req, "
+      "Tensor token_pos, int block_size, float scale, int num_heads) -> Tensor");
   m.def(
-      "paged_attention(Tensor q, Tensor kv, Tensor block_table, Tensor token_req, "
-      "Tensor token_pos, int block_size, float scale) -> Tensor");
+      "paged_attention(Tensor q, Tensor kv, Tensor? kv_scales, Tensor block_table, "
+      "Tensor token_req, Tensor token_pos, int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelship, CPU, m) {

@@ -75,6 +75,22 @@ struct Q4Weight {
 // output is reduced in one fixed order whatever M is.
 void q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M, float* out);
 
+// 8 cache values -> 8 floats: fp32 as is, int8 sign-extended and converted (not yet scaled).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// One layer's paged KV cache: values [num_slots, 2, KVH, D] of T (float or int8_t) and, for
+// int8, one fp32 scale per (slot, k or v, KV head) vector [num_slots, 2, KVH]: x ~= q * s,
+// s = absmax(x) / 127, q = round(x / s) to nearest even (`kv_cache.quantize_kv`).
+template <typename T>
+struct PagedKV {
+  T* values;
+  float* scales;  // null for fp32
+};
+
 // Where a step's tokens sit in the paged KV cache [num_slots, 2, KVH, D].
 struct PagedStep {
   int64_t num_tokens;
@@ -92,13 +108,16 @@ void check_paged_step(const PagedStep& step, int64_t num_slots);
 
 // RoPE on the q and k heads of qkv [T, (H + 2 KVH) D] (fp32, HF's rotate-half layout, sin
 // with the sign folded in, tables [max_positions, D]); rotated q -> q [T, H, D], rotated k
-// and v -> kv at each token's slot.
+// and v -> kv at each token's slot (int8: quantized per head vector). T: float or int8_t.
+template <typename T>
 void rope_write_kv(const float* qkv, const PagedStep& step, const float* cos, const float* sin,
-                   int64_t H, int64_t KVH, int64_t D, float* q, float* kv);
+                   int64_t H, int64_t KVH, int64_t D, float* q, PagedKV<T> kv);
 
 // out [T, H, D] = each query's attention over its request's positions 0 .. pos, read
-// block by block in position order (online softmax). kv [num_slots, 2, KVH, D].
-void paged_attention_rows(const float* q, const float* kv, const PagedStep& step, int64_t H,
+// block by block in position order (online softmax). int8 keys and values are converted in
+// the dot products and the value sums and multiplied by their vector's scale there.
+template <typename T>
+void paged_attention_rows(const float* q, PagedKV<T> kv, const PagedStep& step, int64_t H,
                           int64_t KVH, int64_t D, float scale, float* out);
 
 }  // namespace modelship

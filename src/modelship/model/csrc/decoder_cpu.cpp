@@ -16,6 +16,8 @@
 //
 //   hidden   [T, hidden] bf16 or fp32: the embeddings of this step's tokens
 //   weights  kTensorsPerLayer tensors per layer, in `LayerTensor` order (`fused_decoder.py`)
+//   kv_caches  one [num_slots, 2, KVH, D] per layer, fp32 or int8
+//   kv_scales  int8 caches: one fp32 [num_slots, 2, KVH] per layer; fp32 caches: none
 //   -> [T, hidden] in hidden's dtype: the final norm of the last layer's residual stream
 
 #include <ATen/Parallel.h>
@@ -56,8 +58,25 @@ struct Layer {
   const float* post_norm;   // [hidden]
   Q4Weight gate_up;         // [2 I, hidden]
   Q4Weight down;            // [hidden, I]
-  float* kv;                // this layer's cache [num_slots, 2, KVH, D]
+  float* kv;                // this layer's fp32 cache [num_slots, 2, KVH, D], or null
+  int8_t* kv_int8;          // this layer's int8 cache [num_slots, 2, KVH, D], or null
+  float* kv_scales;         // with kv_int8: [num_slots, 2, KVH]
 };
+
+// RoPE, this step's K/V write and attention for one layer, on its cache's element type.
+void attend(const Layer& layer, const float* qkv, const modelship::PagedStep& step,
+            const float* cos, const float* sin, int64_t H, int64_t KVH, int64_t D, float scale,
+            float* q, float* out) {
+  auto run = [&](auto cache) {
+    modelship::rope_write_kv(qkv, step, cos, sin, H, KVH, D, q, cache);
+    modelship::paged_attention_rows(q, cache, step, H, KVH, D, scale, out);
+  };
+  if (layer.kv_int8 != nullptr) {
+    run(modelship::PagedKV<int8_t>{layer.kv_int8, layer.kv_scales});
+  } else {
+    run(modelship::PagedKV<float>{layer.kv, nullptr});
+  }
+}
 
 const float* fp32_vector(const torch::Tensor& t, int64_t size, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
@@ -135,8 +154,8 @@ void quantize_rows(int64_t T, const Q4Weight& w, QuantizedActivations& a, MakeRo
 
 torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights,
                              const torch::Tensor& final_norm, at::TensorList kv_caches,
-                             const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
+                             at::TensorList kv_scales, const torch::Tensor& cos,
+                             const torch::Tensor& sin, const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
                              const torch::Tensor& token_req, const torch::Tensor& token_pos,
                              int64_t block_size, int64_t num_heads, double eps, double scale) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
@@ -149,6 +168,9 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
   const int64_t T = hidden.size(0), hidden_size = hidden.size(1);
   const torch::Tensor& kv0 = kv_caches[0];
   TORCH_CHECK(kv0.dim() == 4 && kv0.size(1) == 2, "kv caches: [num_slots, 2, KVH, D]");
+  const bool int8_cache = kv0.scalar_type() == at::kChar;
+  TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == (int8_cache ? num_layers : 0),
+              "kv_scales: one per layer with int8 caches, none with fp32 ones");
   const int64_t num_slots = kv0.size(0), KVH = kv0.size(2), D = kv0.size(3), H = num_heads;
   TORCH_CHECK(D % 8 == 0 && D <= 256 && H % KVH == 0 && H / KVH <= 16,
               "head_dim a multiple of 8 (<= 256), at most 16 query heads per KV head");
@@ -163,9 +185,9 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
   for (int64_t l = 0; l < num_layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kTensorsPerLayer;
     const torch::Tensor& kv = kv_caches[l];
-    TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.is_contiguous() &&
-                    kv.sizes() == kv0.sizes(),
-                "kv caches: contiguous fp32, all of one shape");
+    TORCH_CHECK(kv.scalar_type() == (int8_cache ? at::kChar : at::kFloat) &&
+                    kv.is_contiguous() && kv.sizes() == kv0.sizes(),
+                "kv caches: contiguous, all fp32 or all int8, all of one shape");
     Layer& layer = layers[l];
     layer.input_norm = fp32_vector(w[kInputNorm], hidden_size, "input_norm");
     layer.qkv = q4_weight(w + kQkvWeight, qkv_width, hidden_size, "qkv_proj");
@@ -176,7 +198,20 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
     layer.post_norm = fp32_vector(w[kPostNorm], hidden_size, "post_attention_norm");
     layer.gate_up = q4_weight(w + kGateUpWeight, 2 * intermediate, hidden_size, "gate_up_proj");
     layer.down = q4_weight(w + kDownWeight, hidden_size, intermediate, "down_proj");
-    layer.kv = kv.data_ptr<float>();
+    layer.kv = nullptr;
+    layer.kv_int8 = nullptr;
+    layer.kv_scales = nullptr;
+    if (int8_cache) {
+      const torch::Tensor& scales = kv_scales[l];
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                      scales.dim() == 3 && scales.size(0) == num_slots && scales.size(1) == 2 &&
+                      scales.size(2) == KVH,
+                  "kv_scales: contiguous fp32 [num_slots, 2, KVH]");
+      layer.kv_int8 = kv.data_ptr<int8_t>();
+      layer.kv_scales = scales.data_ptr<float>();
+    } else {
+      layer.kv = kv.data_ptr<float>();
+    }
   }
   const float* final_weight = fp32_vector(final_norm, hidden_size, "final_norm");
 
@@ -240,9 +275,8 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
         for (int64_t i = 0; i < qkv_width; ++i) row[i] += layer.qkv_bias[i];
       }
     }
-    modelship::rope_write_kv(qkv.data(), step, cos.data_ptr<float>(), sin.data_ptr<float>(), H,
-                             KVH, D, q.data(), layer.kv);
-    modelship::paged_attention_rows(q.data(), layer.kv, step, H, KVH, D, fscale, attn.data());
+    attend(layer, qkv.data(), step, cos.data_ptr<float>(), sin.data_ptr<float>(), H, KVH, D,
+           fscale, q.data(), attn.data());
     quantize_rows(T, layer.o, a, [&](int64_t t, float*) { return attn.data() + t * H * D; });
     modelship::q4_matmul(a, layer.o, T, branch.data());  // [T, hidden]
     quantize_rows(T, layer.gate_up, a, [&](int64_t t, float* buf) {
@@ -279,8 +313,9 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
 TORCH_LIBRARY_FRAGMENT(modelship, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!)[] kv_caches, "
-      "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_table, Tensor token_req, "
-      "Tensor token_pos, int block_size, int num_heads, float eps, float scale) -> Tensor");
+      "Tensor(b!)[] kv_scales, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_table, "
+      "Tensor token_req, Tensor token_pos, int block_size, int num_heads, float eps, "
+      "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelship, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

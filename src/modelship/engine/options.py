@@ -35,7 +35,7 @@ class EngineOptions(BaseModel):
     # do not refuse; only in steps of at most speculative_max_batch_size sequences
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     speculative_by_default: bool = False
-    speculative_max_batch_size: int = Field(default=4, ge=1)
+    speculative_max_batch_size: int = Field(default=2, ge=1)
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig

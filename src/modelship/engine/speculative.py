@@ -39,7 +39,7 @@ class SpeculativeConfig:
     min_ngram: int = 1
     max_ngram: int = 3
     by_default: bool = False  # requests that do not say speculate iff this
-    max_batch_size: int = 4  # no drafting in steps with more running sequences
+    max_batch_size: int = 2  # no drafting in steps with more running sequences (CPU: see docs)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -34,14 +35,12 @@ class RunnerOutput:
     sampled_seqs: list[Sequence]
     sampler_output: SamplerOutput | None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
-    num_rows: list[int] = field(default_factory=list)  # per sampled sequence
+    # where each sampled sequence's rows start, and one past the last row
+    row_starts: list[int] = field(default_factory=lambda: [0])
 
     def rows_of(self, index: int) -> range:
         """The sampler rows of `sampled_seqs[index]`, in position order."""
-        if not self.num_rows:
-            return range(index, index + 1)
-        start = sum(self.num_rows[:index])
-        return range(start, start + self.num_rows[index])
+        return range(self.row_starts[index], self.row_starts[index + 1])
 
 
 class ModelRunner:
@@ -135,8 +134,9 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=logits.device,
         )
-        num_rows = [1 + len(seq.draft_token_ids) for seq in sampled_seqs]
-        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs, num_rows)
+        row_starts = list(accumulate((1 + len(seq.draft_token_ids) for seq in sampled_seqs),
+                                     initial=0))  # fmt: skip
+        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs, row_starts)
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

@@ -212,14 +212,15 @@ class Scheduler:
         """The highest priority with prompt tokens to compute this step (a running sequence
         in prefill, or the head of the queue when a seat is free), when something of lower
         priority would run beside it; None: no such step, everything may run."""
-        prefilling = [seq.priority for seq in self.running
-                      if seq.num_tokens - seq.num_computed_tokens > 1]  # fmt: skip
+        # Both queues are sorted by priority, highest first.
+        floor = next((seq.priority for seq in self.running
+                      if seq.num_tokens - seq.num_computed_tokens > 1), None)  # fmt: skip
         if self.waiting and len(self.running) < self.config.max_num_seqs:
-            prefilling.append(self.waiting[0].priority)
-        if not prefilling:
+            head = self.waiting[0].priority
+            floor = head if floor is None else max(floor, head)
+        if floor is None:
             return None
-        floor = max(prefilling)
-        lowest = min(seq.priority for seq in [*self.running, *self.waiting])
+        lowest = min(queue[-1].priority for queue in (self.running, self.waiting) if queue)
         return floor if lowest < floor else None
 
     def _preempt(self, seq: Sequence) -> None:

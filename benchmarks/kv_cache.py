@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
+from texts import architecture_paragraphs
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQUENCE_TOKENS = 256  # the sequence length "blocks" is counted in
@@ -38,13 +38,7 @@ PROMPTS = [
 
 
 def passages(count: int) -> list[str]:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    paragraphs = [
-        " ".join(p.split())
-        for p in re.split(r"\n\s*\n", text)
-        if len(p) > 600 and not p.lstrip().startswith(("|", "```", "#"))
-    ]
-    return paragraphs[:count]
+    return architecture_paragraphs(600)[:count]
 
 
 def decode_speed(engine: LLMEngine, concurrency: int, max_tokens: int) -> dict:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import time
 from pathlib import Path
 
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
 from modelship.engine.speculative import SpeculativeConfig
+from texts import architecture_paragraphs
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_QUESTIONS = [
@@ -41,12 +41,7 @@ OPEN_QUESTIONS = [
 
 
 def grounded_prompts(count: int) -> list[str]:
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    paragraphs = [
-        " ".join(p.split())
-        for p in re.split(r"\n\s*\n", text)
-        if len(p) > 300 and not p.lstrip().startswith(("|", "```", "#"))
-    ]
+    paragraphs = architecture_paragraphs(300)
     ask = "Repeat the following text exactly, word for word."
     return [f"{ask}\n\n{paragraphs[i % len(paragraphs)][:600]}" for i in range(count)]
 

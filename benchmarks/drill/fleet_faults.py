@@ -107,6 +107,26 @@ def _num_ready(up: UpProcess, state: str = "ready") -> float:
     return up.metric("modelship_gateway_replicas", track="stable", state=state)
 
 
+def _wait_replaced(
+    up: UpProcess,
+    victim: psutil.Process,
+    others: set[int],
+    since: float,
+    timeout_s: float,
+    interval_s: float,
+) -> float | None:
+    """Seconds from `since` until `victim` is gone, exactly one new replica stands beside
+    `others` and two are ready; None if that does not happen within `timeout_s`."""
+
+    def replaced() -> bool:
+        pids = {r.pid for r in up.replicas()}
+        return victim.pid not in pids and len(pids - others) == 1 and _num_ready(up) == 2
+
+    if wait_until(replaced, timeout_s, interval_s):
+        return time.monotonic() - since
+    return None
+
+
 def _busy_replica(up: UpProcess) -> psutil.Process:
     """A replica running requests now (the fault then hits work in flight)."""
     deadline = time.monotonic() + 20
@@ -224,13 +244,7 @@ def _kill_replica(up: UpProcess, context: DrillContext, result: DrillResult) -> 
         others = {r.pid for r in up.replicas()} - {victim.pid}
         killed_at = time.monotonic()
         victim.kill()
-
-        def replaced() -> bool:
-            pids = {r.pid for r in up.replicas()}
-            return victim.pid not in pids and len(pids - others) == 1 and _num_ready(up) == 2
-
-        if wait_until(replaced, 180, 0.1):
-            replaced_s = time.monotonic() - killed_at
+        replaced_s = _wait_replaced(up, victim, others, killed_at, 180, 0.1)
         replaced_at = time.monotonic()
         traffic.wait_ok(8 if context.quick else 40, 120)
     finally:
@@ -456,13 +470,7 @@ def _hung_for_good(up: UpProcess, result: DrillResult) -> None:
         others = {r.pid for r in up.replicas()} - {victim.pid}
         stopped_at = time.monotonic()
         victim.suspend()
-
-        def replaced() -> bool:
-            pids = {r.pid for r in up.replicas()}
-            return victim.pid not in pids and len(pids - others) == 1 and _num_ready(up) == 2
-
-        if wait_until(replaced, MAX_UNRESPONSIVE_S + 120, 0.2):
-            replaced_s = time.monotonic() - stopped_at
+        replaced_s = _wait_replaced(up, victim, others, stopped_at, MAX_UNRESPONSIVE_S + 120, 0.2)
         traffic.wait_ok(20, 120)
     finally:
         outcomes = traffic.stop()

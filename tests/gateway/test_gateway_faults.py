@@ -6,23 +6,20 @@ replica, a canary that fails every request, a gateway restarted under load."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway_process import GatewayProcess
 from modelship.gateway.canary import Track
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
-from modelship.server.process import ReplicaProcess, free_port
+from modelship.server.process import free_port
 
 from bad_replica import BadReplica
 from server_process import ServerProcess
@@ -41,32 +38,6 @@ def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process.stop()
 
 
-class Gateway(ReplicaProcess):
-    """`modelship gateway --config ... [--endpoint URL]... [--canary-endpoint URL ...]`."""
-
-    inherits_socket = False  # the gateway binds --port itself
-
-    def __init__(self, tmp_path: Path, gateway: dict, *endpoint_args: str) -> None:
-        config = tmp_path / "pipeline.yaml"
-        config.write_text(yaml.safe_dump({"gateway": gateway}))
-        super().__init__(
-            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gw.log"
-        )
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "modelship", "gateway", *self.args,
-                "--host", self.host, "--port", str(self.port)]  # fmt: skip
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()
-        )
-
-
 @pytest.fixture
 def bad_replicas() -> Iterator[list[BadReplica]]:
     started: list[BadReplica] = []
@@ -77,10 +48,10 @@ def bad_replicas() -> Iterator[list[BadReplica]]:
 
 @pytest.fixture
 def start_gateway(tmp_path: Path):
-    started: list[Gateway] = []
+    started: list[GatewayProcess] = []
 
-    def start(gateway: dict, *endpoint_args: str) -> Gateway:
-        process = Gateway(tmp_path, gateway, *endpoint_args)
+    def start(gateway: dict, *endpoint_args: str) -> GatewayProcess:
+        process = GatewayProcess(tmp_path, gateway, *endpoint_args)
         started.append(process)
         process.wait_ready(60)
         return process
@@ -90,11 +61,11 @@ def start_gateway(tmp_path: Path):
         assert process.stop() == 0, process.log_tail()
 
 
-def client(gateway: Gateway) -> openai.OpenAI:
+def client(gateway: GatewayProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def ask(gateway: Gateway, stream: bool, user: str = "u") -> str:
+def ask(gateway: GatewayProcess, stream: bool, user: str = "u") -> str:
     """The answer's text; raises what the SDK raises (an error status, an error event)."""
     messages = [{"role": "user", "content": "tell me a story"}]
     answer = client(gateway).chat.completions.create(

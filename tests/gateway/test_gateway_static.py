@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway_process import GatewayProcess
 from modelship.config import ConfigError, ModelshipConfig
 from modelship.gateway import hash_api_key
-from modelship.server.process import ReplicaProcess, free_port
+from modelship.server.process import free_port
 
 from server_process import ServerProcess
 
@@ -39,24 +39,6 @@ def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process.stop()
 
 
-class GatewayProcess(ReplicaProcess):
-    """`modelship gateway --config ... --endpoint ...` (ReplicaProcess's start/ready/stop)."""
-
-    inherits_socket = False  # the gateway binds --port itself
-
-    def __init__(self, tmp_path: Path, endpoints: list[str], gateway: dict) -> None:
-        config = tmp_path / "pipeline.yaml"
-        config.write_text(yaml.safe_dump({"gateway": gateway}))
-        args = ["--config", str(config)]
-        for url in endpoints:
-            args += ["--endpoint", url]
-        super().__init__(Path("."), *args, log_path=tmp_path / "gateway.log")
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "modelship", "gateway", *self.args,
-                "--host", self.host, "--port", str(self.port)]  # fmt: skip
-
-
 def tenants() -> list[dict]:
     return [
         {"name": "gold", "api_key_sha256": hash_api_key(HIGH), "priority": "high"},
@@ -70,7 +52,8 @@ def start_gateway(tmp_path: Path):
 
     def start(endpoints: list[str], **gateway) -> GatewayProcess:
         config = {"tenants": tenants(), "metrics_api_key_sha256": hash_api_key(METRICS_KEY)}
-        process = GatewayProcess(tmp_path, endpoints, {**config, **gateway})
+        endpoint_args = [arg for url in endpoints for arg in ("--endpoint", url)]
+        process = GatewayProcess(tmp_path, {**config, **gateway}, *endpoint_args)
         started.append(process)
         process.wait_ready(60)
         return process

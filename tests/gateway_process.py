@@ -1,0 +1,38 @@
+"""Start `modelship gateway --config ... [--endpoint URL]... [--canary-endpoint URL]...` as a
+real subprocess on 127.0.0.1 (ReplicaProcess's start, readiness and stop)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from modelship.server.process import ReplicaProcess
+
+
+class GatewayProcess(ReplicaProcess):
+    inherits_socket = False  # the gateway binds --port itself
+
+    def __init__(self, tmp_path: Path, gateway: dict, *endpoint_args: str) -> None:
+        config = tmp_path / "pipeline.yaml"
+        config.write_text(yaml.safe_dump({"gateway": gateway}))
+        super().__init__(
+            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log"
+        )
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "modelship", "gateway", *self.args,
+                "--host", self.host, "--port", str(self.port)]  # fmt: skip
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )

@@ -331,9 +331,7 @@ class LLMEngine:
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # in prefill
             params = seq.params
-            wanted = params.speculative
-            if not speculation.wants(seq, speculation.config.by_default if wanted is None
-                                     else wanted):  # fmt: skip
+            if not speculation.wants(seq, params.speculative):
                 continue
             # Room: every accepted draft and the token after it are output tokens.
             room = self.max_model_len - seq.num_tokens - 1

@@ -90,8 +90,10 @@ class SpeculationTracker:
         self.num_accepted_tokens = 0
         self._per_seq: dict[str, list[int]] = {}  # seq_id -> [drafted, accepted]
 
-    def wants(self, seq: Sequence, speculate: bool) -> bool:
-        if not speculate:
+    def wants(self, seq: Sequence, speculate: bool | None) -> bool:
+        """Whether `seq` drafts this step: it asked to (None: the engine's default) and its
+        drafts have not kept failing."""
+        if not (self.config.by_default if speculate is None else speculate):
             return False
         drafted, accepted = self._per_seq.get(seq.seq_id, (0, 0))
         return drafted < PROBE_DRAFT_TOKENS or accepted >= MIN_ACCEPTANCE_RATE * drafted

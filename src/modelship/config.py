@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelship.deploy.config import DeployConfig
 from modelship.engine.options import EngineOptions
@@ -67,6 +67,23 @@ class SelectConfig(Section):
     throughput_requests: int = Field(default=16, ge=1)
     prompt_tokens: int = Field(default=128, ge=1)
     output_tokens: int = Field(default=32, ge=1)
+    # The workload above is one round; rounds interleave the variants and repeat until every
+    # serving metric's 95% interval is within `ci_target` of its mean (after `min_rounds`),
+    # or `max_rounds` or `serving_budget_s` ends them. Differences inside the intervals, or
+    # under `min_effect` of the value, are ties (`pipeline/select/stats.py`).
+    min_rounds: int = Field(default=3, ge=2)
+    max_rounds: int = Field(default=8, ge=2)
+    ci_target: float = Field(default=0.05, gt=0)
+    serving_budget_s: float = Field(default=240.0, gt=0)
+    min_effect: float = Field(default=0.03, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _rounds_in_order(self) -> SelectConfig:
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(
+                f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})"
+            )
+        return self
 
     @field_validator("weights")
     @classmethod

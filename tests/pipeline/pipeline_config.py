@@ -22,6 +22,8 @@ TINY: dict[str, Any] = {
         "throughput_requests": 2,
         "prompt_tokens": 16,
         "output_tokens": 4,
+        "min_rounds": 2,
+        "max_rounds": 2,
         # Random weights score near chance on the task set and babble on golden prompts;
         # here the quality gate only has to catch a variant that is actually broken.
         "gates": {"min_quality_share": 0.6, "max_repetition": 1.0, "min_printable": 0.0},

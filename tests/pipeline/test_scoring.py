@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from modelship.pipeline.select.report import explain
 from modelship.pipeline.select.scoring import (
     Gates,
     VariantMeasurement,
     normalize,
     score_variants,
+    tie_at_top,
     weights_for,
 )
+from modelship.pipeline.select.stats import Estimate, differ
 
 
 def measured(name: str, quality: float, ttft: float, tput: float, mem: float, **kw):
@@ -56,3 +59,57 @@ def test_bad_weights_are_rejected() -> None:
         weights_for("fastest")
     with pytest.raises(ValueError, match="unknown weight groups: speed"):
         weights_for(None, {"speed": 1.0})
+
+
+def noisy(name: str, quality: float, ttft: float, tput: float, noise: float) -> VariantMeasurement:
+    """A variant measured in rounds: each serving metric with a 95% half-width of `noise`
+    times its value."""
+    m = measured(name, quality, ttft, tput, 100e6)
+    m.noise = {"ttft_s": ttft * noise, "throughput_tok_s": tput * noise}
+    return m
+
+
+def test_differences_inside_the_noise_are_ties_broken_by_quality() -> None:
+    # b is 6% faster by its means, but the intervals (+/-5% each) overlap: no latency win
+    a, b = noisy("a", 0.99, 0.100, 40.0, 0.05), noisy("b", 0.98, 0.094, 42.4, 0.05)
+    scores = score_variants([b, a], weights_for(None), Gates())
+    by_name = {s.variant: s for s in scores}
+    assert by_name["a"].normalized["ttft_s"] == by_name["b"].normalized["ttft_s"] == 1.0
+    assert by_name["a"].normalized["throughput_tok_s"] == 1.0
+    assert scores[0].variant == "a"  # won on quality, the only real difference
+    assert tie_at_top(scores, weights_for(None)) == ([], "")
+
+
+def test_identical_variants_tie_and_the_report_says_so() -> None:
+    twins = [noisy("b-twin", 0.99, 0.1002, 40.1, 0.04), noisy("a-twin", 0.99, 0.0998, 39.9, 0.04)]
+    scores = score_variants(twins, weights_for(None), Gates())
+    assert scores[0].score == scores[1].score
+    assert scores[0].normalized == scores[1].normalized  # never a win on latency
+    assert tie_at_top(scores, weights_for(None)) == (["a-twin", "b-twin"], "name")
+    assert "Tie within noise: **a-twin** and **b-twin**" in explain(scores, weights_for(None))[1]
+
+
+def test_a_difference_beyond_the_noise_and_the_minimum_effect_counts() -> None:
+    fast, slow = noisy("fast", 0.99, 0.050, 80.0, 0.02), noisy("slow", 0.99, 0.100, 40.0, 0.02)
+    scores = score_variants([slow, fast], weights_for(None), Gates())
+    assert [s.variant for s in scores] == ["fast", "slow"]
+    assert scores[1].normalized["ttft_s"] == 0.0
+    # exact (noise-free) 2% apart: under a 3% minimum effect a tie, at 1% a difference
+    close = [measured("x", 0.99, 0.100, 40, 1e8), measured("y", 0.99, 0.102, 40, 1e8)]
+    for m in close:
+        m.noise = {"ttft_s": 0.0}
+    tied = score_variants(close, weights_for(None), Gates(), min_effect=0.03)
+    assert tied[0].normalized["ttft_s"] == tied[1].normalized["ttft_s"]
+    split = score_variants(close, weights_for(None), Gates(), min_effect=0.01)
+    assert [s.variant for s in split] == ["x", "y"] and split[1].normalized["ttft_s"] == 0.0
+
+
+def test_confidence_intervals_of_repeated_samples() -> None:
+    estimate = Estimate.of([10.0, 12.0, 11.0, 13.0, 9.0])
+    assert estimate.mean == 11.0 and estimate.n == 5
+    # stdev 1.581, sem 0.707, t(4) = 2.776
+    assert abs(estimate.half_width - 2.776 * 1.5811 / 5**0.5) < 1e-3
+    assert Estimate.of([5.0]).half_width == float("inf")
+    assert not differ(10.0, 1.0, 11.5, 1.0, 0.0) and differ(10.0, 1.0, 12.5, 1.0, 0.0)
+    with pytest.raises(ValueError, match="no samples"):
+        Estimate.of([])

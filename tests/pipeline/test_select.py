@@ -136,3 +136,17 @@ def test_optimize_alone_is_memoized_after_the_run(pipeline) -> None:
     config, storage, _ = pipeline
     results = optimize(storage, "tiny", ["fp16", "awq", "gptq"], overrides=config.optimize.recipes)
     assert all(r.memoized for r in results)
+
+
+def test_two_copies_of_the_same_weights_tie(pipeline) -> None:
+    config, storage, _ = pipeline
+    publish_broken(storage, "twin", lambda staging: None)  # fp16, byte for byte
+    result = select(storage, "tiny", config, variants=["twin", "fp16"], log=lambda _: None)
+    first, second = result.scores
+    assert (first.variant, second.variant) == ("fp16", "twin")  # by name: nothing else differs
+    assert first.score == second.score and first.normalized == second.normalized
+    serving = result.evaluations["twin"]["serving"]
+    assert serving["rounds"] == 2 and len(serving["samples"]["ttft_s"]) == 2
+    assert set(serving["ci"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
+    report = (storage.release_dir("tiny", result.release) / "report.md").read_text()
+    assert "Tie within noise: **fp16** and **twin**" in report and " +/- " in report

@@ -50,13 +50,16 @@ SELECT_PARENT = textwrap.dedent(
     import sys
     from pathlib import Path
     from transformers import AutoTokenizer
-    from modelship.pipeline.select.serving import measure_serving
+    from modelship.pipeline.select.serving import Workload, measure_serving
 
-    model_dir, log_path = Path(sys.argv[1]), Path(sys.argv[2])
-    measure_serving(
-        model_dir, AutoTokenizer.from_pretrained(model_dir), sys.argv[3:], log_path=log_path,
+    model_dir, log_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    workload = Workload(
         latency_requests=100000, concurrency=1, throughput_requests=1, prompt_tokens=16,
         output_tokens=64,
+    )
+    measure_serving(
+        {"replica": model_dir}, AutoTokenizer.from_pretrained(model_dir),
+        lambda _: sys.argv[3:], workload, log_dir=log_dir,
     )
     """
 )
@@ -65,9 +68,9 @@ SELECT_PARENT = textwrap.dedent(
 def test_a_measurement_replica_dies_when_select_is_killed(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    log_path = tmp_path / "replica.log"
+    log_path = tmp_path / "replica-serve.log"  # measure_serving names it after the variant
     parent = subprocess.Popen(
-        [sys.executable, "-c", SELECT_PARENT, str(tiny_llama_dir), str(log_path), *SERVE_ARGS]
+        [sys.executable, "-c", SELECT_PARENT, str(tiny_llama_dir), str(tmp_path), *SERVE_ARGS]
     )
     replica = None
     try:

@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.select.scoring import METRICS, Gates, VariantScore
+from modelship.pipeline.select.scoring import METRICS, Gates, VariantScore, tie_at_top
 
 # metric -> (label, format of the raw value)
 _LABELS = {
@@ -24,15 +24,19 @@ _LABELS = {
 }
 
 
-def _fmt(metric: str, value: float | None) -> str:
+def _fmt(metric: str, value: float | None, half_width: float | None = None) -> str:
+    """The value in its unit, with its 95% half-width where it was measured in rounds."""
     if value is None:
         return "-"
     style = _LABELS[metric][1]
-    if style == "ms":
-        return f"{value * 1e3:.1f}"
-    if style == "MB":
-        return f"{value / 1e6:.1f}"
-    return style.format(value)
+    scale = {"ms": 1e3, "MB": 1e-6}.get(style)
+    if scale is not None:
+        text = f"{value * scale:.1f}"
+        noise = None if half_width is None else f"{half_width * scale:.1f}"
+    else:
+        text = style.format(value)
+        noise = None if half_width is None else style.format(half_width)
+    return text if noise is None else f"{text} +/- {noise}"
 
 
 def _raw(evaluation: dict[str, Any], metric: str) -> float | None:
@@ -44,6 +48,10 @@ def _raw(evaluation: dict[str, Any], metric: str) -> float | None:
     return serving.get(metric)
 
 
+def _half_width(evaluation: dict[str, Any], metric: str) -> float | None:
+    return ((evaluation.get("serving") or {}).get("ci") or {}).get(metric)
+
+
 def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
     """One sentence per variant: the winner's edge, each loser's gap or gate."""
     winner = scores[0]
@@ -51,6 +59,18 @@ def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
         f"**{winner.variant}** won with score {winner.score:.3f} "
         f"({_contributions(winner, weights)})."
     ]
+    tied, decided_by = tie_at_top(scores, weights)
+    if tied:
+        others = ", ".join(f"**{name}**" for name in tied[1:])
+        how = (
+            "equal on every group, so the name decided"
+            if decided_by == "name"
+            else f"broken by {decided_by}, the highest-weighted group where they differ"
+        )
+        lines.append(
+            f"Tie within noise: **{winner.variant}** and {others} scored the same once "
+            f"differences inside the 95% intervals are counted as none; {how}."
+        )
     for score in scores[1:]:
         if not score.passed:
             lines.append(f"**{score.variant}** was gated out: {'; '.join(score.reasons)}.")
@@ -87,11 +107,25 @@ def metric_rows(
     for metric in METRICS:
         cells = [_LABELS[metric][0]]
         for score in scores:
-            value = _fmt(metric, _raw(evaluations[score.variant], metric))
+            evaluation = evaluations[score.variant]
+            value = _fmt(metric, _raw(evaluation, metric), _half_width(evaluation, metric))
             normalized = score.normalized.get(metric)
             cells.append(value if normalized is None else f"{value} ({normalized:.2f})")
         rows.append(cells)
     return rows
+
+
+def _rounds_note(scores: list[VariantScore], evaluations: dict[str, dict[str, Any]]) -> str:
+    serving = [evaluations[s.variant].get("serving") for s in scores]
+    measured = [x for x in serving if x and "rounds" in x]
+    if not measured:
+        return ""
+    first = measured[0]
+    return (
+        f"Serving metrics: {first['rounds']} interleaved rounds (stopped: {first['stopped']}). "
+        "Values whose 95% intervals overlap, or that differ by less than the minimum effect, "
+        "score the same."
+    )
 
 
 def quality_rows(names: list[str], evaluations: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -180,7 +214,7 @@ def write_report(
     gates: Gates,
 ) -> None:
     names = [s.variant for s in scores]
-    header = ["metric (raw, normalized 0..1)", *names]
+    header = ["metric (mean +/- 95% CI, normalized 0..1)", *names]
     weight_text = ", ".join(f"{g} {w:.2f}" for g, w in weights.items())
     gate_text = (
         f"loads and serves; quality share >= {gates.min_quality_share:.0%}; repeated 4-grams "
@@ -200,7 +234,10 @@ def write_report(
                 for s in scores
             ],
         ),
-        "## Metrics\n\n" + _markdown_table(header, metric_rows(scores, evaluations)),
+        "## Metrics\n\n"
+        + _markdown_table(header, metric_rows(scores, evaluations))
+        + "\n\n"
+        + _rounds_note(scores, evaluations),
         "## Quality against the base model\n\n"
         + _markdown_table(["measure", "base", *names], quality_rows(["base", *names], evaluations)),
         "## Quality against throughput\n\n![quality against throughput](report.svg)",

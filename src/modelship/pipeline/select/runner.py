@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from modelship.config import ModelshipConfig
@@ -35,7 +36,7 @@ from modelship.pipeline.select.scoring import (
     score_variants,
     weights_for,
 )
-from modelship.pipeline.select.serving import measure_serving
+from modelship.pipeline.select.serving import Workload, measure_serving
 from modelship.storage import (
     ArtifactNotFoundError,
     Storage,
@@ -48,7 +49,7 @@ from modelship.storage import (
 )
 
 # Bumped when what select measures changes, so memoized evaluations are redone.
-SELECT_CODE_VERSION = 1
+SELECT_CODE_VERSION = 2  # 2: interleaved rounds with confidence intervals
 BASE = "base"
 
 Log = Callable[[str], None]
@@ -73,6 +74,7 @@ def measurement_settings(config: ModelshipConfig) -> dict[str, Any]:
         "eval": [s.eval_chunks, s.eval_chunk_tokens],
         "workload": [s.latency_requests, s.concurrency, s.throughput_requests,
                      s.prompt_tokens, s.output_tokens],
+        "rounds": [s.min_rounds, s.max_rounds, s.ci_target, s.serving_budget_s],
         "engine": config.serve.engine.model_dump(),
     }  # fmt: skip
 
@@ -119,7 +121,7 @@ def select(
     measurements = [_measurement(evaluations[v], base_eval) for v in variants]
     weights = weights_for(config.select.preset, dict(config.select.weights))
     gates = Gates(**config.select.gates.model_dump())
-    scores = score_variants(measurements, weights, gates)
+    scores = score_variants(measurements, weights, gates, config.select.min_effect)
     for score in scores:
         evaluation = evaluations[score.variant]
         evaluation["quality_share"] = next(
@@ -134,6 +136,7 @@ def select(
         "evaluations": {v: evaluations[v]["inputs_hash"] for v in [BASE, *variants]},
         "weights": weights,
         "gates": gates.__dict__,
+        "min_effect": config.select.min_effect,
     }
     selection_hash = hash_inputs(selection)
     release, new = _publish_release(
@@ -145,6 +148,8 @@ def select(
 
 
 def _measure(storage, slug, config, todo, evaluations, log) -> None:
+    """Quality of each variant in turn (deterministic), then serving of all candidates
+    together in interleaved rounds (`serving`); each evaluation written when complete."""
     s = config.select
     evaluations_dir = storage.evaluations_dir(slug)
     base_scorer = q.Scorer(storage.base_dir(slug))
@@ -152,10 +157,11 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
     chunks = q.eval_chunks(tokenizer, held_out_texts(), s.eval_chunks, s.eval_chunk_tokens)
     reference = q.make_reference(base_scorer, chunks)
     tasks = q.load_tasks()
-    serve_args = config.serve.engine.cli_args()
+    pending: dict[str, tuple[dict[str, Any], Path, float]] = {}
     for name, inputs_hash in todo:
         folder = storage.base_dir(slug) if name == BASE else storage.variant_dir(slug, name)
         evaluation: dict[str, Any] = {"variant": name, "path": str(folder)}
+        evaluation["inputs_hash"] = inputs_hash or "unreadable"
         started = time.perf_counter()
         try:
             if inputs_hash is None:
@@ -167,32 +173,55 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
             evaluation["weight_bytes"] = scorer.weight_bytes()
             if scorer is not base_scorer:
                 del scorer
-            if name != BASE:  # the base is the quality reference, not a candidate
-                log(f"{name}: measuring serving")
-                evaluation["serving"] = _serve_and_measure(
-                    folder, tokenizer, name, serve_args, evaluations_dir, s
-                )
         except Exception as exc:  # a variant that cannot be measured is gated, not fatal
-            evaluation["load_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            evaluation["load_error"] = _reason(exc)
             log(f"{name}: {evaluation['load_error']}")
-        evaluation["inputs_hash"] = inputs_hash or "unreadable"
-        evaluation["seconds"] = round(time.perf_counter() - started, 2)
-        write_json_atomic(evaluations_dir / f"{name}.json", evaluation)
-        evaluations[name] = evaluation
-
-
-def _serve_and_measure(folder, tokenizer, name, serve_args, evaluations_dir, s) -> dict:
-    return measure_serving(
-        folder,
+        seconds = time.perf_counter() - started
+        if name == BASE or "load_error" in evaluation:  # the base is the reference only
+            _write_evaluation(evaluations_dir, evaluation, seconds, evaluations)
+        else:
+            pending[name] = (evaluation, folder, seconds)
+    if not pending:
+        return
+    log(f"measuring serving of {', '.join(pending)}: interleaved rounds")
+    started = time.perf_counter()
+    serve_args = config.serve.engine.cli_args()
+    outcomes = measure_serving(
+        {name: folder for name, (_, folder, _) in pending.items()},
         tokenizer,
-        ["--variant", name, *serve_args],
-        log_path=evaluations_dir / "logs" / f"{name}-serve.log",
-        latency_requests=s.latency_requests,
-        concurrency=s.concurrency,
-        throughput_requests=s.throughput_requests,
-        prompt_tokens=s.prompt_tokens,
-        output_tokens=s.output_tokens,
-    ).to_dict()
+        lambda name: ["--variant", name, *serve_args],
+        Workload(
+            latency_requests=s.latency_requests,
+            concurrency=s.concurrency,
+            throughput_requests=s.throughput_requests,
+            prompt_tokens=s.prompt_tokens,
+            output_tokens=s.output_tokens,
+            min_rounds=s.min_rounds,
+            max_rounds=s.max_rounds,
+            ci_target=s.ci_target,
+            budget_s=s.serving_budget_s,
+        ),
+        log_dir=evaluations_dir / "logs",
+        log=log,
+    )
+    serving_seconds = (time.perf_counter() - started) / len(pending)  # a fair share each
+    for name, (evaluation, _, seconds) in pending.items():
+        outcome = outcomes[name]
+        if isinstance(outcome, str):
+            evaluation["load_error"] = outcome
+        else:
+            evaluation["serving"] = outcome.to_dict()
+        _write_evaluation(evaluations_dir, evaluation, seconds + serving_seconds, evaluations)
+
+
+def _write_evaluation(evaluations_dir, evaluation, seconds, evaluations) -> None:
+    evaluation["seconds"] = round(seconds, 2)
+    write_json_atomic(evaluations_dir / f"{evaluation['variant']}.json", evaluation)
+    evaluations[evaluation["variant"]] = evaluation
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
 def quality_share(evaluation: dict, base: dict) -> float:
@@ -209,6 +238,7 @@ def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
         m.load_error = evaluation["load_error"]
         return m
     serving = evaluation["serving"]
+    m.noise = dict(serving.get("ci") or {})
     m.metrics = {
         "quality": quality_share(evaluation, base),
         "ttft_s": serving["ttft_s"],

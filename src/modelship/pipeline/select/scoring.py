@@ -7,11 +7,20 @@ small loss into a full point lost, however small). The other metrics are
 normalized min-max across the variants that passed the gates; for metrics where lower is
 better (latency, memory) the scale is flipped. With a single survivor, or when all
 survivors measure the same, every survivor scores 1 on that metric.
+
+Serving metrics carry noise (95% half-widths from repeated rounds, `stats`). Variants whose
+values do not differ (`stats.differ`) from the best of their group score the same: walking
+from the best value down, each variant scores as the leader of its tie group. So a variant
+cannot win on a difference inside the noise, and two copies of the same weights tie. When
+the top scores are equal, the ranking falls to the groups in order of weight (quality first
+by default), then to the variant name, and `tie_at_top` says so.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from modelship.pipeline.select.stats import differ
 
 # metric -> (group, higher_is_better)
 METRICS: dict[str, tuple[str, bool]] = {
@@ -22,6 +31,10 @@ METRICS: dict[str, tuple[str, bool]] = {
     "weight_bytes": ("memory", False),
     "peak_rss_bytes": ("memory", False),
 }
+# Metrics measured through a serving replica: noisy, compared with `min_effect`. Quality
+# (teacher-forced, deterministic) and weight bytes are exact.
+NOISY_METRICS = frozenset({"ttft_s", "tpot_s", "throughput_tok_s", "peak_rss_bytes"})
+DEFAULT_MIN_EFFECT = 0.03
 PRESETS: dict[str, dict[str, float]] = {
     "default": {"quality": 0.5, "latency": 0.2, "throughput": 0.2, "memory": 0.1},
     "chat": {"quality": 0.4, "latency": 0.4, "throughput": 0.1, "memory": 0.1},
@@ -45,6 +58,7 @@ class VariantMeasurement:
 
     variant: str
     metrics: dict[str, float] = field(default_factory=dict)
+    noise: dict[str, float] = field(default_factory=dict)  # metric -> 95% half-width; 0 absent
     load_error: str | None = None
     repetition: float = 0.0
     printable: float = 1.0
@@ -104,8 +118,30 @@ def normalize(values: dict[str, float], higher_is_better: bool) -> dict[str, flo
     return scaled if higher_is_better else {name: 1.0 - s for name, s in scaled.items()}
 
 
+def tie_leaders(
+    values: dict[str, float],
+    noise: dict[str, float],
+    higher_is_better: bool,
+    min_effect: float,
+) -> dict[str, str]:
+    """variant -> the best variant of its tie group: from the best value down, a variant
+    that does not differ from the current leader joins its group, else leads a new one."""
+    leaders: dict[str, str] = {}
+    leader = None
+    for name in sorted(values, key=lambda n: (values[n], n), reverse=higher_is_better):
+        if leader is None or differ(
+            values[leader], noise[leader], values[name], noise[name], min_effect
+        ):
+            leader = name
+        leaders[name] = leader
+    return leaders
+
+
 def score_variants(
-    measurements: list[VariantMeasurement], weights: dict[str, float], gates: Gates
+    measurements: list[VariantMeasurement],
+    weights: dict[str, float],
+    gates: Gates,
+    min_effect: float = DEFAULT_MIN_EFFECT,
 ) -> list[VariantScore]:
     """Gate, normalize and weight; returns scores sorted best first (failed ones last)."""
     reasons = {m.variant: gate(m, gates) for m in measurements}
@@ -119,8 +155,12 @@ def score_variants(
                 share = (value - gates.min_quality_share) / span
                 normalized[variant][metric] = min(max(share, 0.0), 1.0)
         elif values:
-            for variant, value in normalize(values, higher_is_better).items():
-                normalized[variant][metric] = value
+            noise = {m.variant: m.noise.get(metric, 0.0) for m in survivors if m.variant in values}
+            effect = min_effect if metric in NOISY_METRICS else 0.0
+            leaders = tie_leaders(values, noise, higher_is_better, effect)
+            scaled = normalize(values, higher_is_better)
+            for variant in values:
+                normalized[variant][metric] = scaled[leaders[variant]]
     scores = []
     for m in measurements:
         groups: dict[str, list[float]] = {}
@@ -133,4 +173,34 @@ def score_variants(
             VariantScore(m.variant, passed, reasons[m.variant], normalized[m.variant],
                          group_scores, total)
         )  # fmt: skip
-    return sorted(scores, key=lambda s: (not s.passed, -s.score, s.variant))
+    by_weight = sorted(weights, key=lambda g: (-weights[g], g))
+    return sorted(
+        scores,
+        key=lambda s: (
+            not s.passed,
+            -round(s.score, 9),
+            *(-round(s.group_scores.get(g, 0.0), 9) for g in by_weight),
+            s.variant,
+        ),
+    )
+
+
+def tie_at_top(scores: list[VariantScore], weights: dict[str, float]) -> tuple[list[str], str]:
+    """([winner, variants tied with it on score], what decided between them) where the top
+    scores are equal; ([], "") otherwise. What decided: the highest-weighted group where
+    the winner scored higher, or "name" when they are equal everywhere."""
+    winner = scores[0]
+    if not winner.passed:
+        return [], ""
+    tied = [
+        s.variant for s in scores[1:] if s.passed and round(s.score, 9) == round(winner.score, 9)
+    ]
+    if not tied:
+        return [], ""
+    runner_up = next(s for s in scores if s.variant == tied[0])
+    for group in sorted(weights, key=lambda g: (-weights[g], g)):
+        if round(winner.group_scores.get(group, 0.0), 9) > round(
+            runner_up.group_scores.get(group, 0.0), 9
+        ):
+            return [winner.variant, *tied], group
+    return [winner.variant, *tied], "name"

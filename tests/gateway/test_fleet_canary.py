@@ -149,3 +149,11 @@ def test_release_cli_errors(fleet: UpProcess):
     assert "release 9 does not exist" in result.stderr
     result = fleet.cli("release", "rollback")
     assert result.returncode == 1 and "no canary is running" in result.stderr
+
+    shown = fleet.cli("release", "show", "3", "--json")
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["production"] is False and record["canary"] is None
+    actions = [(e["action"], e.get("weight")) for e in record["history"]]
+    assert actions == [("canary", 50), ("auto_rollback", None)]
+    assert all("@" in e["by"] for e in record["history"])  # who: user@host

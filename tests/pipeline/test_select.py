@@ -150,3 +150,39 @@ def test_two_copies_of_the_same_weights_tie(pipeline) -> None:
     assert set(serving["ci"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
     report = (storage.release_dir("tiny", result.release) / "report.md").read_text()
     assert "Tie within noise: **fp16** and **twin**" in report and " +/- " in report
+
+
+def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from modelship.cli import app
+
+    config, storage, _ = pipeline
+    release = storage.production_release("tiny")
+    release_dir = storage.release_dir("tiny", release)
+    record = json.loads((release_dir / "provenance.json").read_text())
+    assert "provenance.json" in {e.path for e in read_manifest(release_dir).files}
+    winner = record["variant"]
+    variant = read_manifest(storage.variant_dir("tiny", winner))
+    assert record["variants"][winner]["files"] == {e.path: e.sha256 for e in variant.files}
+    assert record["variants"]["fp16"]["recipe"]["scheme"] == "fp16"
+    assert record["source"]["kind"] == "base" and record["source"]["files"]
+    serving = record["measurements"][winner]["serving"]
+    assert serving["ttft_s"]["ci95"] > 0 and serving["rounds"] == 2
+    assert record["selection"]["why"][0].startswith(f"**{winner}** won")
+    assert "@" in record["published_by"]
+    assert 'href="provenance.json"' in (release_dir / "report.html").read_text()
+
+    storage_args = ["--storage", str(config.storage), "--model", "tiny"]
+    runner = CliRunner()
+    assert runner.invoke(app, ["rollback", *storage_args]).exit_code == 0
+    shown = runner.invoke(app, ["release", "show", str(release), *storage_args])
+    assert shown.exit_code == 0, shown.output
+    assert f"release {release} of tiny: {winner} (not production)" in shown.output
+    assert f"measured {winner}: quality" in shown.output and "+/-" in shown.output
+    as_json = json.loads(runner.invoke(app, ["release", "show", "--json", *storage_args]).output)
+    assert as_json["production"] and as_json["history"][-1]["action"] == "production"
+    assert as_json["history"][-1]["previous"] == release
+    missing = runner.invoke(app, ["release", "show", "99", *storage_args])
+    assert missing.exit_code != 0 and "release 99 does not exist" in missing.output
+    runner.invoke(app, ["rollback", "--to", str(release), *storage_args])

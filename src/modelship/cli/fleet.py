@@ -181,3 +181,79 @@ def status(
     for event in plan.events[-10:]:
         reason = f" ({event['reason']})" if event.get("reason") else ""
         console.print(f"  {event['at']} {event['action']} release {event['release']}{reason}")
+
+
+@release_app.command("show")
+def show(
+    release: Annotated[
+        int | None, typer.Argument(help="Release number (default: production).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The whole record as JSON.")] = False,
+    config_path: ConfigOption = None,
+    model: ModelOption = None,
+    storage: ConfigStorageOption = None,
+) -> None:
+    """One release's provenance: source and checksums, recipes, measurements with
+    intervals, gates, why it won, and its canary / promotion history."""
+    import json
+
+    from modelship.fleet.releases import release_record
+
+    _, store, slug = model_context(config_path, storage, model)
+    number = release if release is not None else store.production_release(slug)
+    if number is None:
+        fail(f"{slug} has no production release; name one: modelship release show N")
+    try:
+        record = release_record(store, slug, number)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc), exit_code(exc))
+    if as_json:
+        typer.echo(json.dumps(record, indent=2))
+        return
+    _print_record(record)
+
+
+def _print_record(record: dict) -> None:
+    state = "production" if record["production"] else "not production"
+    if record.get("canary"):
+        state = f"canary at {record['canary']['weight']}%"
+    _say(
+        f"release {record['release']} of {record['model']}: {record.get('variant', '?')} ({state})"
+    )
+    if "note" in record:
+        _say(f"  {record['note']}")
+    if "published_at" in record:
+        _say(f"  published {record['published_at']} by {record['published_by']}")
+    source = record.get("source") or {}
+    if source:
+        _say(f"  source: {source.get('source')} @ {source.get('revision') or 'local'}")
+    for name, variant in (record.get("variants") or {}).items():
+        recipe = variant.get("recipe") or {}
+        tools = ", ".join(
+            f"{k} {v}" for k, v in sorted((variant.get("tool_versions") or {}).items())
+        )
+        _say(f"  variant {name}: {recipe.get('scheme', '?')} {recipe.get('bits', '')}-bit; {tools}")
+    selection = record.get("selection") or {}
+    for line in selection.get("why", []):
+        _say(f"  {line.replace('**', '')}")
+    for name, m in (record.get("measurements") or {}).items():
+        serving = m.get("serving") or {}
+        parts = [f"quality {m['quality_share']:.1%}"] if m.get("quality_share") is not None else []
+        for metric, scale, unit in (("ttft_s", 1e3, "ms TTFT"), ("tpot_s", 1e3, "ms/token"),
+                                    ("throughput_tok_s", 1, "tok/s")):  # fmt: skip
+            if metric in serving:
+                value, ci = serving[metric]["mean"], serving[metric]["ci95"]
+                noise = "" if ci is None else f" +/- {ci * scale:.1f}"
+                parts.append(f"{value * scale:.1f}{noise} {unit}")
+        if m.get("load_error"):
+            parts.append(f"failed: {m['load_error']}")
+        _say(f"  measured {name}: {', '.join(parts) or '-'}")
+    for event in record.get("history", []):
+        extra = "".join(
+            f" {key}={event[key]}" for key in ("weight", "previous", "reason") if key in event
+        )
+        _say(f"  {event['at']} {event['action']} by {event.get('by', '?')}{extra}")
+
+
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False)  # error texts hold brackets

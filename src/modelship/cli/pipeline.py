@@ -151,11 +151,14 @@ def rollback(
     storage: ConfigStorageOption = None,
 ) -> None:
     """Point production at an earlier release (atomically)."""
+    from modelship.fleet.releases import record_event
     from modelship.pipeline.select.runner import rollback as run_rollback
 
     _, store, slug = model_context(config_path, storage, model)
     try:
         before, after = run_rollback(store, slug, to)
+        event = {"action": "production", "release": after, "previous": before}
+        record_event(store, slug, event | {"reason": "modelship rollback"})
     except (PipelineError, StorageError) as exc:
         fail(str(exc), exit_code(exc))
         return

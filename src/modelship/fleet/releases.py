@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.select.provenance import PROVENANCE_FILE, actor, artifact_identity
 from modelship.storage import Storage
 from modelship.storage.manifest import now_iso
 from modelship.storage.store import write_json_atomic
@@ -65,7 +66,7 @@ def _write(storage: Storage, slug: str, canary: CanaryPlan | None, event: dict[s
     path = traffic_path(storage, slug)
     with storage.lock(path):
         plan = read_traffic(storage, slug)
-        events = [*plan.events, {"at": now_iso(), **event}]
+        events = [*plan.events, {"at": now_iso(), "by": actor(), **event}]
         new = TrafficPlan(canary, events)
         write_json_atomic(path, new.to_json())
     return new
@@ -98,6 +99,12 @@ def promote_canary(storage: Storage, slug: str) -> tuple[int | None, int]:
     return before, plan.canary.release
 
 
+def record_event(storage: Storage, slug: str, event: dict[str, Any]) -> None:
+    """Append an event that does not change the canary (e.g. production pointed at an
+    older release by `modelship rollback`) to the history."""
+    _write(storage, slug, read_traffic(storage, slug).canary, event)
+
+
 def end_canary(storage: Storage, slug: str, reason: str, automatic: bool = False) -> int | None:
     """Send all traffic back to production; returns the canary's release (None: none ran)."""
     plan = read_traffic(storage, slug)
@@ -107,3 +114,26 @@ def end_canary(storage: Storage, slug: str, reason: str, automatic: bool = False
     event = {"action": action, "release": plan.canary.release, "reason": reason}
     _write(storage, slug, None, event)
     return plan.canary.release
+
+
+def release_record(storage: Storage, slug: str, release: int) -> dict[str, Any]:
+    """Release `release`'s provenance (`provenance.json`, written by select) with its
+    history since publication joined in: canary weights, judge decisions, rollbacks,
+    promotions, each with who and when."""
+    releases = storage.releases(slug)
+    if release not in releases:
+        raise PipelineError(f"release {release} does not exist (releases: {releases or 'none'})")
+    path = storage.release_dir(slug, release) / PROVENANCE_FILE
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:  # published before provenance existed: what its manifest says
+        record = {"release": release, "model": slug, "note": f"{path} does not exist"}
+        record["artifact"] = artifact_identity(storage.release_dir(slug, release))
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{path}: not valid JSON: {exc}") from None
+    plan = read_traffic(storage, slug)
+    record["history"] = [e for e in plan.events if e.get("release") == release]
+    record["production"] = storage.production_release(slug) == release
+    canary = plan.canary if plan.canary is not None and plan.canary.release == release else None
+    record["canary"] = None if canary is None else {"weight": canary.weight}
+    return record

@@ -8,6 +8,7 @@ report must render anywhere without a plotting library.
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,9 @@ def write_report(
         "## Quality against the base model\n\n"
         + _markdown_table(["measure", "base", *names], quality_rows(["base", *names], evaluations)),
         "## Quality against throughput\n\n![quality against throughput](report.svg)",
+        "Provenance (source and checksums, recipes, tool versions, measurements with intervals, "
+        "gate results; `modelship release show` adds the canary history): "
+        "[provenance.json](provenance.json)",
     ]
     golden = [
         f"- {name}: {evaluations[name]['serving']['golden_outputs'][0]!r}"
@@ -256,6 +260,9 @@ def write_report(
     (folder / "report.html").write_text(_html(markdown, svg, slug, release))
 
 
+_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s\"]+)\)")
+
+
 def _html(markdown: str, svg: str, slug: str, release: int) -> str:
     """A small Markdown subset (headings, bullets, tables, bold) rendered to HTML."""
     body: list[str] = []
@@ -265,7 +272,7 @@ def _html(markdown: str, svg: str, slug: str, release: int) -> str:
         escaped = html.escape(text)
         while "**" in escaped:
             escaped = escaped.replace("**", "<b>", 1).replace("**", "</b>", 1)
-        return escaped
+        return _LINK.sub(r'<a href="\2">\1</a>', escaped)
 
     def flush_table() -> None:
         if table:

@@ -28,6 +28,7 @@ from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.select import quality as q
+from modelship.pipeline.select.provenance import PROVENANCE_FILE, provenance_record
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
     Gates,
@@ -140,7 +141,16 @@ def select(
     }
     selection_hash = hash_inputs(selection)
     release, new = _publish_release(
-        storage, slug, winner, scores, evaluations, weights, gates, selection_hash, log
+        storage,
+        slug,
+        winner,
+        scores,
+        evaluations,
+        weights,
+        gates,
+        config.select.min_effect,
+        selection_hash,
+        log,
     )
     return SelectionResult(
         winner.variant, release, new, scores, evaluations, time.perf_counter() - started
@@ -254,7 +264,7 @@ def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
 
 
 def _publish_release(
-    storage, slug, winner, scores, evaluations, weights, gates, selection_hash, log
+    storage, slug, winner, scores, evaluations, weights, gates, min_effect, selection_hash, log
 ) -> tuple[int, bool]:
     current = storage.production_release(slug)
     if current is not None:
@@ -290,6 +300,10 @@ def _publish_release(
         ) as staging:
             link_tree(source, staging)
             (staging / "production_metrics.json").write_text(json.dumps(metrics, indent=2))
+            provenance = provenance_record(
+                storage, slug, number, scores, evaluations, weights, gates, min_effect
+            )
+            (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
             write_report(staging, slug, number, scores, evaluations, weights, gates)
     storage.set_production(slug, number)
     log(f"release {number}: {winner.variant} (score {winner.score:.3f}); production -> {number}")

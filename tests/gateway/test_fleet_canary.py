@@ -4,7 +4,9 @@ plan is changed with the real `modelship release` CLI, as an operator would."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from modelship import golden
 from modelship.storage import Storage
 
 from fleet_process import UpProcess
@@ -157,3 +160,69 @@ def test_release_cli_errors(fleet: UpProcess):
     actions = [(e["action"], e.get("weight")) for e in record["history"]]
     assert actions == [("canary", 50), ("auto_rollback", None)]
     assert all("@" in e["by"] for e in record["history"])  # who: user@host
+
+
+def copy_with_golden(source: Path, target: Path, answers: list, noise: float = 0.0) -> Path:
+    """`source`'s files in a new folder with `golden.json`; with `noise`, every weight is
+    perturbed: the weights changed on disk after select recorded the golden answers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name not in ("manifest.json", "model.safetensors"):
+            shutil.copy(path, target / path.name)
+    tensors = load_file(source / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    if noise:
+        tensors = {
+            name: t + noise * t.float().std() * torch.randn(t.shape, generator=generator)
+            for name, t in tensors.items()
+        }
+    save_file({name: t.contiguous() for name, t in tensors.items()}, target / "model.safetensors")
+    golden.write_reference(target / golden.GOLDEN_FILE, answers)
+    return target
+
+
+def test_a_canary_whose_weights_drifted_is_rolled_back(fleet: UpProcess, tmp_path: Path):
+    storage = Storage(fleet.storage)
+    production = storage.production_release(SLUG)
+
+    async def record() -> list[golden.GoldenAnswer]:
+        async with httpx.AsyncClient() as client:
+            return await golden.ask_all(client, fleet.url, SLUG)
+
+    answers = asyncio.run(record())  # production's answers, as select would have recorded
+    assert all(a.tokens and len(a.tokens) == len(a.logprobs) for a in answers)
+    source = storage.release_dir(SLUG, production)
+    same = publish_release(
+        storage, SLUG, copy_with_golden(source, tmp_path / "same", answers), "fp16"
+    )
+    altered = copy_with_golden(source, tmp_path / "altered", answers, noise=0.5)
+    drifted = publish_release(storage, SLUG, altered, "fp16")
+
+    # The same weights reproduce every golden answer: probed once ready, kept as canary.
+    assert fleet.cli("release", "canary", "--release", str(same), "--weight", "10").returncode == 0
+    fleet.wait_for(
+        lambda: fleet.metric("modelship_gateway_drift_probes_total", release=str(same)) >= 1,
+        120,
+        "the first drift probe of the canary",
+    )
+    assert fleet.metric("modelship_gateway_drift_agreement", release=str(same)) == 1.0
+    assert fleet.metric("modelship_gateway_drift_alert", release=str(same)) == 0.0
+    assert plan(fleet)["canary"] == {"release": same, "weight": 10}
+    assert fleet.cli("release", "rollback").returncode == 0
+
+    # Altered weights: caught by the probe and rolled back, with no request sent to it.
+    canary = fleet.cli("release", "canary", "--release", str(drifted), "--weight", "10")
+    assert canary.returncode == 0, canary.stderr
+    fleet.wait_for(lambda: plan(fleet)["canary"] is None, 120, "the drift rollback")
+    event = plan(fleet)["events"][-1]
+    assert event["action"] == "auto_rollback" and event["release"] == drifted
+    assert "quality drift" in event["reason"]
+    outcome = {"release": str(drifted), "outcome": "drift"}
+    assert fleet.metric("modelship_gateway_drift_probes_total", **outcome) >= 1
+
+
+def plan(fleet: UpProcess) -> dict:
+    return json.loads((fleet.storage / "models" / SLUG / "traffic.json").read_text())

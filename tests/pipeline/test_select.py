@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelship.golden import read_reference
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.optimize import optimize
 from modelship.pipeline.run import run_pipeline
@@ -172,6 +173,8 @@ def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
     assert record["selection"]["why"][0].startswith(f"**{winner}** won")
     assert "@" in record["published_by"]
     assert 'href="provenance.json"' in (release_dir / "report.html").read_text()
+    answers = read_reference(release_dir / "golden.json")  # the drift probe's reference
+    assert answers and all(len(a.tokens) == len(a.logprobs) > 0 for a in answers)
 
     storage_args = ["--storage", str(config.storage), "--model", "tiny"]
     runner = CliRunner()

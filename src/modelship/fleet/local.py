@@ -3,7 +3,9 @@
 The release plan lives on storage (the `production` link and `traffic.json`); the fleet
 reads it every `plan_interval_s` and points the supervisor's tracks and the gateway's
 canary weight at it. A canary the gateway's judge rolls back is ended on storage too, so
-`modelship release status` tells the same story as the metrics.
+`modelship release status` tells the same story as the metrics. The drift probe
+(`gateway/drift.py`) compares every replica with its release's `golden.json`; a canary
+that drifts is rolled back like one that is slow.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import secrets
 
 from starlette.applications import Starlette
 
+from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.releases import end_canary, read_traffic
 from modelship.fleet.supervisor import ReleaseSpec, Supervisor
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
-from modelship.gateway.pool import EndpointPool
+from modelship.gateway.drift import DriftProbe, ProbeResult
+from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
 from modelship.server.process import ReplicaProcess
@@ -63,6 +67,16 @@ class LocalFleet:
             config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
         )
         self.supervisor.on_canary_failed = self._canary_failed
+        self.drift_probe = DriftProbe(
+            config.gateway.drift_probe,
+            self.pool,
+            lambda: self.service.client,
+            self._golden_reference,
+            headers=self.service.upstream_headers,
+            on_drift=self._drifted,
+        )
+        self.service.metrics.registry.register(self.drift_probe)
+        self._references: dict[str, list[golden.GoldenAnswer] | None] = {}
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
@@ -126,6 +140,26 @@ class LocalFleet:
         self.service.set_canary_weight(0)
         self.supervisor.set_target(Track.CANARY, None)
 
+    def _golden_reference(self, release: str) -> list[golden.GoldenAnswer] | None:
+        """The release's golden answers as select recorded them (None: none recorded)."""
+        if release not in self._references:
+            try:
+                folder = self.storage.release_dir(self.slug, int(release))
+                self._references[release] = golden.read_reference(folder / golden.GOLDEN_FILE)
+            except (ValueError, KeyError, TypeError) as exc:  # unreadable: nothing to compare
+                logger.warning("release %s: golden.json unreadable (%s); not probed", release, exc)
+                self._references[release] = None
+        return self._references[release]
+
+    def _drifted(self, upstream: Upstream, result: ProbeResult) -> None:
+        probe = self.config.gateway.drift_probe
+        if upstream.track is not Track.CANARY or not probe.rollback_canary:
+            return  # stable has nothing to fall back to: the alert metric is the signal
+        self._canary_failed(
+            f"quality drift: {upstream.endpoint_id} reproduced {result.agreement.tokens:.0%} "
+            f"of the golden answers (minimum {probe.min_agreement:.0%})"
+        )
+
     async def _plan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.plan_interval_s)
@@ -140,6 +174,8 @@ class LocalFleet:
             asyncio.create_task(self.supervisor.run()),
             asyncio.create_task(self._plan_loop()),
         ]
+        if self.config.gateway.drift_probe.enabled:
+            self._tasks.append(asyncio.create_task(self.drift_probe.run()))
 
     async def _stop(self) -> None:
         for task in self._tasks:

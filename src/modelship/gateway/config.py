@@ -77,6 +77,17 @@ class CanaryJudgeConfig(_Section):
     min_ttft_increase_s: float = Field(default=0.05, ge=0)
 
 
+class DriftProbeConfig(_Section):
+    """The quality-drift probe (`gateway/drift.py`, run by `modelship up`): each replica is
+    asked the release's golden prompts when it becomes ready and every `interval_s` after;
+    agreement below `min_agreement` raises the alert metric, and rolls a canary back."""
+
+    enabled: bool = True
+    interval_s: float = Field(default=300.0, gt=0)
+    min_agreement: float = Field(default=0.9, ge=0, le=1)
+    rollback_canary: bool = True
+
+
 class RequestLimitsConfig(_Section):
     """What one request may ask for, checked before it is admitted (the replicas check the
     same caps): sequences per prompt (`n`) and stop strings."""
@@ -97,6 +108,7 @@ class GatewayConfig(_Section):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     canary: CanaryJudgeConfig = Field(default_factory=CanaryJudgeConfig)
+    drift_probe: DriftProbeConfig = Field(default_factory=DriftProbeConfig)
     request_limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     # Output length assumed for a request before any has finished (token-aware routing).
     initial_output_tokens: int = Field(default=128, ge=0)

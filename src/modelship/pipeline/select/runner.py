@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
@@ -304,6 +305,11 @@ def _publish_release(
                 storage, slug, number, scores, evaluations, weights, gates, min_effect
             )
             (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+            answers = (evaluations[winner.variant].get("serving") or {}).get("golden")
+            if answers:  # what the drift probe compares every replica of this release with
+                golden.write_reference(
+                    staging / golden.GOLDEN_FILE, [golden.GoldenAnswer(**a) for a in answers]
+                )
             write_report(staging, slug, number, scores, evaluations, weights, gates)
     storage.set_production(slug, number)
     log(f"release {number}: {winner.variant} (score {winner.score:.3f}); production -> {number}")

@@ -19,21 +19,16 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
+from modelship import golden
 from modelship.loadgen import make_prompts, run_level
 from modelship.pipeline.select.stats import Estimate
 from modelship.server.process import ReplicaProcess
 
-GOLDEN_PROMPTS = [
-    "What is the capital of France?",
-    "Write one sentence about the ocean.",
-    "List three colors.",
-    "Explain what a computer is in one sentence.",
-]
 SERVED_NAME = "candidate"
 ROUND_METRICS = ("ttft_s", "tpot_s", "throughput_tok_s")
 
@@ -67,6 +62,7 @@ class ServingResult:
     startup_s: float
     failed_requests: int
     golden_outputs: list[str]
+    golden: list[dict]  # `golden.GoldenAnswer`s: the reference a release's replicas are probed with
     repetition: float
     printable: float
 
@@ -221,7 +217,8 @@ def _finish(candidate: _Candidate, tokenizer, rounds: int, stopped: str) -> Serv
     missing = [m for m in ROUND_METRICS if m not in estimates]
     if missing:
         raise RuntimeError(f"no round measured {', '.join(missing)}")
-    outputs = _golden(candidate.replica.url)
+    answers = asyncio.run(_golden(candidate.replica.url))
+    outputs = [answer.text for answer in answers]
     ids = [tokenizer(text, add_special_tokens=False).input_ids for text in outputs]
     return ServingResult(
         ttft_s=estimates["ttft_s"].mean,
@@ -235,6 +232,7 @@ def _finish(candidate: _Candidate, tokenizer, rounds: int, stopped: str) -> Serv
         startup_s=candidate.startup_s,
         failed_requests=candidate.failed_requests,
         golden_outputs=outputs,
+        golden=[asdict(answer) for answer in answers],
         repetition=max(repeated_ngram_share(t) for t in ids),
         printable=min(printable_share(text) for text in outputs),
     )
@@ -244,20 +242,6 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
-def _golden(url: str) -> list[str]:
-    async def ask(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {
-            "model": SERVED_NAME,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 48,
-            "temperature": 0,
-        }
-        response = await client.post(f"{url}/v1/chat/completions", json=body)
-        response.raise_for_status()
-        return response.json()["choices"][0]["message"]["content"]
-
-    async def ask_all() -> list[str]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            return list(await asyncio.gather(*(ask(client, p) for p in GOLDEN_PROMPTS)))
-
-    return asyncio.run(ask_all())
+async def _golden(url: str) -> list[golden.GoldenAnswer]:
+    async with httpx.AsyncClient() as client:
+        return await golden.ask_all(client, url, SERVED_NAME)

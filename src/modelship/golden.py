@@ -1,0 +1,120 @@
+"""Golden prompts: fixed chat prompts answered greedily, the reference a release's quality
+is checked against.
+
+`select` asks every candidate these prompts (to gate degenerate output) and stores the
+winner's answers, with each generated token and its logprob, in the release as
+`golden.json`. The gateway's drift probe (`gateway/drift.py`) asks the same prompts of every
+replica of that release and compares: a replica serving other weights than the ones select
+measured (altered on disk, a wrong file, a broken kernel) answers differently. One module for
+both sides, so the request and the comparison cannot drift apart themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+GOLDEN_PROMPTS = (
+    "What is the capital of France?",
+    "Write one sentence about the ocean.",
+    "List three colors.",
+    "Explain what a computer is in one sentence.",
+)
+MAX_TOKENS = 48
+GOLDEN_FILE = "golden.json"
+
+
+@dataclass(frozen=True)
+class GoldenAnswer:
+    prompt: str
+    text: str
+    tokens: list[str]  # each generated token's text, as the API's logprobs name it
+    logprobs: list[float]  # the chosen token's logprob at each step
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far a replica's answers follow the reference: `tokens` is the mean share of each
+    reference answer the replica reproduced before its first different token (1.0: all
+    identical); `max_logprob_delta` the largest |logprob difference| on those shared tokens."""
+
+    tokens: float
+    max_logprob_delta: float
+
+
+async def ask(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> GoldenAnswer:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    response = await client.post(
+        f"{url}/v1/chat/completions", json=body, headers=headers, timeout=timeout_s
+    )
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return GoldenAnswer(
+        prompt=prompt,
+        text=choice["message"]["content"] or "",
+        tokens=[entry["token"] for entry in content],
+        logprobs=[float(entry["logprob"]) for entry in content],
+    )
+
+
+async def ask_all(
+    client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str] | None = None
+) -> list[GoldenAnswer]:
+    """Every golden prompt, one after another: a prompt computed alone is computed the same
+    way each time, whatever batch the replica would have put concurrent ones in."""
+    return [await ask(client, url, model, prompt, headers) for prompt in GOLDEN_PROMPTS]
+
+
+def compare(reference: list[GoldenAnswer], observed: list[GoldenAnswer]) -> Agreement:
+    """Agreement of `observed` with `reference`, prompt by prompt (matched by prompt text)."""
+    answers = {answer.prompt: answer for answer in observed}
+    shares, deltas = [], [0.0]
+    for ref in reference:
+        got = answers.get(ref.prompt)
+        if got is None:
+            shares.append(0.0)
+            continue
+        same = 0
+        for want, have in zip(ref.tokens, got.tokens, strict=False):
+            if want != have:
+                break
+            same += 1
+        if len(ref.tokens) == len(got.tokens) == same:
+            shares.append(1.0)
+        else:
+            shares.append(same / max(len(ref.tokens), len(got.tokens), 1))
+        shared = zip(ref.logprobs[:same], got.logprobs[:same], strict=True)
+        deltas.extend(abs(a - b) for a, b in shared)
+    return Agreement(statistics.fmean(shares) if shares else 0.0, max(deltas))
+
+
+def write_reference(path: Path, answers: list[GoldenAnswer]) -> None:
+    path.write_text(json.dumps({"answers": [asdict(a) for a in answers]}, indent=2) + "\n")
+
+
+def read_reference(path: Path) -> list[GoldenAnswer] | None:
+    """The answers recorded in `path`; None when there is no such file (a release published
+    before golden references existed: nothing to compare with)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return [GoldenAnswer(**answer) for answer in data["answers"]]

@@ -3,6 +3,7 @@ driven through the openai SDK."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from fleet_storage import publish_release
 SLUG = "tiny"
 KEY = "sk-alpha-test"
 LIMITED_KEY = "sk-limited-test"
+BILLING_KEY = "sk-billing-test"
+PRICE = {"input_per_1k": 0.5, "output_per_1k": 2.0}
 METRICS_KEY = "sk-metrics-test"
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +43,9 @@ def fleet_config() -> dict:
                     "max_output_tokens": 16,
                     "allowed_models": [SLUG],
                 },
+                {"name": "billing", "api_key_sha256": hash_api_key(BILLING_KEY)},
             ],
+            "cost": {"variants": {"fp16": PRICE}},
             "routing": {"policy": "least_outstanding_tokens"},
             "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
             "resilience": {"breaker_failure_threshold": 1, "breaker_cool_down_s": 30},
@@ -219,3 +224,34 @@ def test_scale_out_survive_kill_then_scale_in(fleet: UpProcess):
     assert ask(client(fleet), "after scale in").choices
     failed = fleet.metric("modelship_gateway_requests_total", tenant="alpha", status="502")
     assert failed == 0
+
+
+def test_usage_and_cost_add_up(fleet: UpProcess):
+    billing = client(fleet, BILLING_KEY)
+    used = [ask(billing, f"count to {i}", max_tokens=4 + i).usage for i in range(4)]
+    stream = billing.chat.completions.create(
+        model=SLUG, messages=[{"role": "user", "content": "stream"}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    used += [chunk.usage for chunk in stream if chunk.usage is not None]
+    inputs = sum(u.prompt_tokens for u in used)
+    outputs = sum(u.completion_tokens for u in used)
+    expected = (inputs * PRICE["input_per_1k"] + outputs * PRICE["output_per_1k"]) / 1000
+
+    def billed() -> list[dict]:
+        result = fleet.cli("usage", "--since", "1h", "--json")
+        assert result.returncode == 0, result.stderr
+        return [row for row in json.loads(result.stdout) if row["tenant"] == "billing"]
+
+    fleet.wait_for(lambda: billed() and billed()[0]["requests"] == 5, 30, "the usage ledger")
+    [row] = billed()
+    assert (row["model"], row["variant"]) == (SLUG, "fp16")
+    assert (row["input_tokens"], row["output_tokens"]) == (inputs, outputs)
+    assert row["cost"] == pytest.approx(expected) and row["unpriced_requests"] == 0
+    assert fleet.metric("modelship_gateway_cost_total", tenant="billing") == pytest.approx(expected)
+    output = fleet.metric("modelship_gateway_tokens_total", tenant="billing", kind="output")
+    assert output == outputs
+    table = fleet.cli("usage", "--since", "1h")
+    assert table.returncode == 0 and f"usage of {SLUG} since" in table.stdout
+    bad = fleet.cli("usage", "--since", "yesterday")
+    assert bad.returncode == 2 and "--since takes a duration" in bad.stderr

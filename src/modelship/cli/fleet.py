@@ -108,6 +108,52 @@ def gateway(
     )
 
 
+@app.command()
+def usage(
+    since: Annotated[
+        str, typer.Option(help="A duration back from now (30m, 2h, 7d) or an ISO 8601 time.")
+    ] = "24h",
+    as_json: Annotated[bool, typer.Option("--json", help="The rows as JSON.")] = False,
+    config_path: ConfigOption = None,
+    model: ModelOption = None,
+    storage: ConfigStorageOption = None,
+) -> None:
+    """Requests, tokens and cost per tenant, model and variant, from the gateway's usage
+    ledger on storage."""
+    import json
+
+    from rich.table import Table
+
+    from modelship.gateway.cost import USAGE_DIR, parse_since, read_usage, summarize
+
+    config, store, slug = model_context(config_path, storage, model)
+    try:
+        start = parse_since(since)
+    except ValueError as exc:
+        fail(str(exc), CONFIG_EXIT_CODE)
+    rows = summarize(read_usage(store.model_dir(slug) / USAGE_DIR, start))
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    currency = config.gateway.cost.currency
+    table = Table(
+        "tenant", "model", "variant", "requests", "input tokens", "output tokens",
+        f"cost ({currency})", title=f"usage of {slug} since {start.isoformat(timespec='seconds')}",
+    )  # fmt: skip
+    for row in rows:
+        cost = f"{row['cost']:.4f}"
+        if row["unpriced_requests"]:
+            cost += f" ({row['unpriced_requests']} unpriced)"
+        table.add_row(
+            row["tenant"], row["model"], row["variant"], str(row["requests"]),
+            str(row["input_tokens"]), str(row["output_tokens"]), cost,
+        )  # fmt: skip
+    if not rows:
+        console.print(f"no requests since {start.isoformat(timespec='seconds')}")
+        return
+    console.print(table)
+
+
 @release_app.command("canary")
 def canary(
     release: Annotated[int, typer.Option(help="The release to try.")],

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
+from pathlib import Path
 
 from starlette.applications import Starlette
 
@@ -24,6 +26,7 @@ from modelship.fleet.releases import end_canary, read_traffic
 from modelship.fleet.supervisor import ReleaseSpec, Supervisor
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
+from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
 from modelship.gateway.drift import DriftProbe, ProbeResult
 from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.service import GatewayService
@@ -77,6 +80,8 @@ class LocalFleet:
         )
         self.service.metrics.registry.register(self.drift_probe)
         self._references: dict[str, list[golden.GoldenAnswer] | None] = {}
+        self._priced: set[int] = set()
+        self.service.ledger = UsageLedger(storage.model_dir(slug) / USAGE_DIR)
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
@@ -106,7 +111,32 @@ class LocalFleet:
     def release_spec(self, release: int) -> ReleaseSpec:
         folder = self.storage.release_dir(self.slug, release)
         variant = read_manifest(folder).extra.get("variant", "unknown")
+        if release not in self._priced:
+            self._priced.add(release)
+            self._derive_prices(folder)
         return ReleaseSpec(release, folder, variant)
+
+    def _derive_prices(self, release_dir: Path) -> None:
+        """Prices of the variants select measured for this release, from `cost.replica_hour`
+        (a price set in `cost.variants` wins)."""
+        replica_hour = self.config.gateway.cost.replica_hour
+        if replica_hour is None:
+            return
+        try:
+            metrics = json.loads((release_dir / "production_metrics.json").read_text())
+        except (OSError, ValueError):  # a release not published by select: no measurements
+            return
+        for name, evaluation in (metrics.get("evaluations") or {}).items():
+            serving = evaluation.get("serving") or {}
+            if name in self.service.prices or not serving:
+                continue
+            prompt_tokens = serving.get("prompt_tokens") or self.config.select.prompt_tokens
+            try:
+                self.service.prices[name] = derive_price(
+                    replica_hour, serving["throughput_tok_s"], prompt_tokens, serving["ttft_s"]
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("no price for variant %s: %s", name, exc)
 
     def sync_plan(self) -> None:
         """Point the tracks and the canary weight at what storage says now."""
@@ -184,6 +214,8 @@ class LocalFleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.supervisor.shutdown()
+        if self.service.ledger is not None:
+            self.service.ledger.close()
 
     def app(self) -> Starlette:
         return create_gateway_app(self.service, on_startup=[self._start], on_shutdown=[self._stop])

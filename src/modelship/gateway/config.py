@@ -88,6 +88,20 @@ class DriftProbeConfig(_Section):
     rollback_canary: bool = True
 
 
+class PriceConfig(_Section):
+    input_per_1k: float = Field(ge=0)
+    output_per_1k: float = Field(ge=0)
+
+
+class CostConfig(_Section):
+    """Prices per 1k tokens (`gateway/cost.py`): set per variant in `variants`, or derived
+    for every variant select measured from what one replica costs per hour."""
+
+    replica_hour: float | None = Field(default=None, ge=0)
+    currency: str = "USD"
+    variants: dict[str, PriceConfig] = Field(default_factory=dict)
+
+
 class RequestLimitsConfig(_Section):
     """What one request may ask for, checked before it is admitted (the replicas check the
     same caps): sequences per prompt (`n`) and stop strings."""
@@ -109,6 +123,7 @@ class GatewayConfig(_Section):
     resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     canary: CanaryJudgeConfig = Field(default_factory=CanaryJudgeConfig)
     drift_probe: DriftProbeConfig = Field(default_factory=DriftProbeConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
     request_limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     # Output length assumed for a request before any has finished (token-aware routing).
     initial_output_tokens: int = Field(default=128, ge=0)

@@ -131,7 +131,13 @@ class GatewayMetrics:
         self.tokens = Counter(
             PREFIX + "tokens",
             "Tokens charged to tenants, as the replica counted them (its usage).",
-            ["tenant", "kind"],
+            ["tenant", "model", "variant", "kind"],
+            registry=r,
+        )
+        self.cost = Counter(
+            PREFIX + "cost",
+            "What tenants' requests cost, at the variant's price per 1k tokens (gateway.cost).",
+            ["tenant", "model", "variant"],
             registry=r,
         )
         self.routing_decisions = Counter(

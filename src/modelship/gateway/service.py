@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from modelship.gateway.admission import AdmissionQueue
 from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
+from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
@@ -106,6 +107,12 @@ class GatewayService:
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
+        # variant -> price per 1k tokens (`modelship up` adds those derived from select's
+        # measurements); the ledger is the usage file on storage `modelship usage` reads.
+        self.prices: dict[str, Price] = {
+            name: Price(p.input_per_1k, p.output_per_1k) for name, p in config.cost.variants.items()
+        }
+        self.ledger: UsageLedger | None = None
         self.is_draining = False
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
@@ -261,7 +268,14 @@ class GatewayService:
         if limit.max_tokens is not None and parsed.max_tokens is None:
             parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
         parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
-        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter())
+        return _Hold(
+            self,
+            tenant,
+            parsed.num_sequences,
+            parsed.input_tokens,
+            time.perf_counter(),
+            model=parsed.model or "default",
+        )
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
@@ -489,6 +503,7 @@ class _Hold:
     num_sequences: int
     input_tokens: int  # the estimate taken from the tenant's bucket at admission
     started_at: float
+    model: str = "default"
     upstream: Upstream | None = None
     num_output_if_abandoned: int = 0  # while an attempt is generating
     ended: bool = False
@@ -508,10 +523,19 @@ class _Hold:
         service.limiter.release(name, self.num_sequences)
         service.admission.release(self.tenant.priority, self.num_sequences)
         metrics = service.metrics
-        metrics.tokens.labels(name, "input").inc(usage.prompt_tokens)
-        metrics.tokens.labels(name, "output").inc(usage.completion_tokens)
         release = self.upstream.release if self.upstream else "none"
         variant = self.upstream.variant if self.upstream else "none"
+        metrics.tokens.labels(name, self.model, variant, "input").inc(usage.prompt_tokens)
+        metrics.tokens.labels(name, self.model, variant, "output").inc(usage.completion_tokens)
+        price = service.prices.get(variant)
+        cost = None if price is None else price.of(usage.prompt_tokens, usage.completion_tokens)
+        if cost is not None:
+            metrics.cost.labels(name, self.model, variant).inc(cost)
+        if service.ledger is not None:
+            service.ledger.append(
+                UsageRecord(now_utc(), name, self.model, release, variant, status_code,
+                            usage.prompt_tokens, usage.completion_tokens, cost)
+            )  # fmt: skip
         metrics.requests.labels(name, str(status_code), release, variant).inc()
         metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
         if ttft_s is not None and status_code < 500:

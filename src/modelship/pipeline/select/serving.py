@@ -58,6 +58,7 @@ class ServingResult:
     samples: dict[str, list[float]]  # metric -> one value per round
     rounds: int
     stopped: str  # "converged", "max_rounds" or "time_budget"
+    prompt_tokens: int  # of each request (TTFT is for a prompt this long)
     peak_rss_bytes: int | None
     startup_s: float
     failed_requests: int
@@ -133,7 +134,9 @@ def measure_serving(
         for candidate in candidates:
             if candidate.error is None:
                 try:
-                    outcomes[candidate.name] = _finish(candidate, tokenizer, rounds, stopped)
+                    outcomes[candidate.name] = _finish(
+                        candidate, tokenizer, rounds, stopped, workload.prompt_tokens
+                    )
                 except Exception as exc:
                     candidate.error = _reason(exc)
             if candidate.error is not None:
@@ -212,7 +215,9 @@ def _brief(candidate: _Candidate) -> str:
     )
 
 
-def _finish(candidate: _Candidate, tokenizer, rounds: int, stopped: str) -> ServingResult:
+def _finish(
+    candidate: _Candidate, tokenizer, rounds: int, stopped: str, prompt_tokens: int
+) -> ServingResult:
     estimates = candidate.estimates()
     missing = [m for m in ROUND_METRICS if m not in estimates]
     if missing:
@@ -228,6 +233,7 @@ def _finish(candidate: _Candidate, tokenizer, rounds: int, stopped: str) -> Serv
         samples=candidate.samples,
         rounds=rounds,
         stopped=stopped,
+        prompt_tokens=prompt_tokens,
         peak_rss_bytes=candidate.replica.peak_rss_bytes(),
         startup_s=candidate.startup_s,
         failed_requests=candidate.failed_requests,

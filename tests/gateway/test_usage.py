@@ -45,3 +45,20 @@ def test_usage_from_a_body_and_asking_for_it():
     assert request["stream_options"] == {"include_usage": True}
     request = {"stream": True, "stream_options": {"include_usage": True}}
     assert ask_for_usage(request)
+
+
+def test_the_first_token_is_the_first_event_with_text():
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    usage = StreamUsage(pass_usage_event=False)
+    usage.feed(role)
+    assert usage.first_token_at is None  # a role-only chunk is not a token
+    usage.feed(TOKEN)
+    first = usage.first_token_at
+    assert first is not None
+    usage.feed(TOKEN)
+    assert usage.first_token_at == first
+    completion = StreamUsage(pass_usage_event=False)
+    completion.feed(event({"choices": [{"index": 0, "text": ""}]}))
+    assert completion.first_token_at is None
+    completion.feed(event({"choices": [{"index": 0, "text": "x"}]}))
+    assert completion.first_token_at is not None

@@ -171,6 +171,14 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Streams: from the gateway receiving the request to the first event carrying "
+            "generated text (a role-only first chunk does not count).",
+            ["release", "variant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.latency = Histogram(
             PREFIX + "request_duration_seconds",
             "Whole request as the gateway saw it.",

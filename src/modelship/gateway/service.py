@@ -450,6 +450,10 @@ class GatewayService:
                 used = Usage(hold.input_tokens, usage.num_events)
             elif how is StreamEnd.COMPLETE:
                 self.estimator.observe(used.completion_tokens // hold.num_sequences)
+            if usage.first_token_at is not None:
+                self.metrics.first_token.labels(upstream.release, upstream.variant).observe(
+                    usage.first_token_at - hold.started_at
+                )
             hold.end(how.status_code, attempt.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)

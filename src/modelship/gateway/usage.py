@@ -11,6 +11,7 @@ per generated token, are what it is charged for.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ class StreamUsage:
         self.pass_usage_event = pass_usage_event
         self.usage: Usage | None = None
         self.num_events = 0  # data events with output, [DONE] and the usage event aside
+        self.first_token_at: float | None = None  # perf_counter of the first generated text
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -98,4 +100,17 @@ class StreamUsage:
                 if not parsed.get("choices"):  # the usage event alone
                     return self.pass_usage_event
         self.num_events += 1
+        if self.first_token_at is None and _carries_text(payload):
+            self.first_token_at = time.perf_counter()
         return True
+
+
+def _carries_text(payload: bytes) -> bool:
+    """Whether a chunk holds generated text (completions' `text`, chat's `content`); a
+    chat stream's first chunk may carry only the role. Byte tests, not a JSON parse: this
+    runs on the first events of every stream."""
+    for key in (b'"text":"', b'"content":"'):
+        at = payload.find(key)
+        if at >= 0 and payload[at + len(key) : at + len(key) + 1] != b'"':
+            return True
+    return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,15 @@ def test_render_writes_the_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [
         ".modelship-render",
         "cluster.yaml",
+        "grafana-dashboard.json",
         "helm-values.yaml",
+        "monitoring.yaml",
         "serving.yaml",
         "workflow.yaml",
     ]
+    assert kinds(out / "monitoring.yaml") == ["ConfigMap"]
+    dashboard = json.loads((out / "grafana-dashboard.json").read_text())
+    assert dashboard["uid"] == "modelship-serving" and len(dashboard["panels"]) > 20
     assert kinds(out / "workflow.yaml") == ["Workflow"]
     assert "HorizontalPodAutoscaler" in kinds(out / "serving.yaml")
     assert "serving.yaml: 2 Deployment, 2 Service" in result.output
@@ -98,7 +104,7 @@ def test_validate_a_render(tmp_path: Path, schema_dir: Path) -> None:
     assert invoke("render", "--out", out, "--autoscaler", "keda").exit_code == 0
     result = invoke("validate", out, "--schemas", schema_dir)
     assert result.exit_code == 0, result.output
-    assert "14 objects" in result.output and ": 0 errors" in result.output
+    assert "15 objects" in result.output and ": 0 errors" in result.output
     assert "Kubernetes 1.33.0" in result.output
 
 

@@ -13,6 +13,7 @@ from k8s_tools import CHART_DIR, config_for
 from modelship.config import ModelshipConfig
 from modelship.deploy.checks import check_objects
 from modelship.deploy.context import RenderContext
+from modelship.deploy.dashboard import dashboard_json
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.render import render
 from modelship.deploy.validate import validate_objects
@@ -52,6 +53,11 @@ def test_chart_lints(helm: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_chart_ships_the_dashboard_deploy_render_writes() -> None:
+    shipped = (CHART_DIR / "files" / "grafana-dashboard.json").read_text()
+    assert shipped == dashboard_json()  # regenerate: python -m modelship.deploy.dashboard
+
+
 def test_chart_defaults_are_the_default_config() -> None:
     defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     expected = helm_values(RenderContext.from_config(ModelshipConfig.from_dict({})))
@@ -65,7 +71,7 @@ def test_chart_renders_what_deploy_render_does(
     rendered = render(CASES[case]())
     assert rendered.helm_values is not None
     charted = keyed(helm_template(helm, rendered.helm_values, tmp_path))
-    expected = keyed(rendered.files["serving.yaml"])
+    expected = keyed(rendered.files["serving.yaml"] + rendered.files["monitoring.yaml"])
 
     assert sorted(charted) == sorted(expected)
     for key, ours in expected.items():
@@ -75,7 +81,8 @@ def test_chart_renders_what_deploy_render_does(
         # Labels: the chart adds Helm's own; the identifying ones must agree.
         for label in ("app.kubernetes.io/instance", "app.kubernetes.io/component"):
             assert theirs["metadata"]["labels"][label] == ours["metadata"]["labels"][label]
-        assert theirs["spec"] == ours["spec"], key
+        assert theirs.get("spec") == ours.get("spec"), key
+        assert theirs.get("data") == ours.get("data"), key  # the dashboard's ConfigMap
 
     # The chart's objects are valid on their own terms, with the render's cluster objects.
     objects = list(charted.values()) + rendered.files["cluster.yaml"]

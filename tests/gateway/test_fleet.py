@@ -13,7 +13,9 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from modelship.deploy.dashboard import dashboard, queried_metrics
 from modelship.gateway import hash_api_key
 from modelship.storage import Storage
 
@@ -255,3 +257,30 @@ def test_usage_and_cost_add_up(fleet: UpProcess):
     assert table.returncode == 0 and f"usage of {SLUG} since" in table.stdout
     bad = fleet.cli("usage", "--since", "yesterday")
     assert bad.returncode == 2 and "--since takes a duration" in bad.stderr
+
+
+def exposed_names(text: str) -> set[str]:
+    """Family and sample names of a /metrics page."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def test_every_dashboard_query_reads_a_live_metric(fleet: UpProcess):
+    headers = {"authorization": f"Bearer {METRICS_KEY}"}
+    exposed = exposed_names(httpx.get(f"{fleet.url}/metrics", headers=headers, timeout=10).text)
+    for replica in fleet.replicas():
+        exposed |= exposed_names(
+            httpx.get(f"{fleet.replica_url(replica)}/metrics", timeout=10).text
+        )
+    queried = queried_metrics(dashboard())
+    assert len(queried) > 20
+    missing = {
+        name
+        for name in queried
+        if name not in exposed
+        and not any(name.removesuffix(suffix) in exposed for suffix in ("_bucket", "_total"))
+    }
+    assert not missing, f"panels query series no component exposes: {sorted(missing)}"

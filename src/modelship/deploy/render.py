@@ -3,6 +3,8 @@
 cluster.yaml       PVC, ConfigMap (pipeline.yaml), memo cache, API key Secret, RBAC
 workflow.yaml      the Argo Workflow (generateName: submit it as often as you like)
 serving.yaml       KServe InferenceService, or engine + gateway Deployments and friends
+monitoring.yaml    the Grafana dashboard as a ConfigMap for Grafana's dashboard sidecar
+grafana-dashboard.json  the same dashboard, to import by hand
 helm-values.yaml   deployment serving only: values for deploy/helm/modelship
 """
 
@@ -20,8 +22,10 @@ from modelship.config import ModelshipConfig
 from modelship.deploy.checks import check_objects
 from modelship.deploy.cluster import cluster_objects
 from modelship.deploy.context import RenderContext
+from modelship.deploy.dashboard import dashboard_configmap, dashboard_json
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
+from modelship.deploy.names import labels
 from modelship.deploy.serving import METRICS_PORT, deployment_serving
 from modelship.deploy.workflow import task_name, workflow
 
@@ -84,6 +88,9 @@ def render(config: ModelshipConfig) -> Rendered:
             "cluster.yaml": cluster_objects(ctx),
             "workflow.yaml": [workflow(ctx, serving)],
             "serving.yaml": serving,
+            "monitoring.yaml": [
+                dashboard_configmap(ctx.name, ctx.namespace, labels(ctx.name, "monitoring"))
+            ],
         },
         helm_values=helm_values(ctx) if ctx.serving.kind == "deployment" else None,
     )
@@ -117,6 +124,7 @@ def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
         if rendered.helm_values is not None:
             text = yaml.safe_dump(rendered.helm_values, sort_keys=False)
             (tmp / "helm-values.yaml").write_text(text)
+        (tmp / "grafana-dashboard.json").write_text(dashboard_json())
         (tmp / MARKER).write_text("written by `modelship deploy render`; safe to replace\n")
         _swap_into_place(tmp, out)
     finally:

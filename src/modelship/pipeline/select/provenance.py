@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.pipeline.select.report import explain
-from modelship.pipeline.select.scoring import Gates, VariantScore
+from modelship.pipeline.select.scoring import Ranking
 from modelship.storage import ArtifactNotFoundError, Storage, StorageError, read_manifest
 from modelship.storage.manifest import now_iso
 
@@ -56,17 +56,11 @@ def artifact_identity(folder: Path) -> dict[str, Any]:
 
 
 def provenance_record(
-    storage: Storage,
-    slug: str,
-    release: int,
-    scores: list[VariantScore],
-    evaluations: dict[str, dict[str, Any]],
-    weights: dict[str, float],
-    gates: Gates,
-    min_effect: float,
+    storage: Storage, slug: str, release: int, ranking: Ranking
 ) -> dict[str, Any]:
     """The fixed part of release `release`'s provenance, as `select` publishes it."""
-    winner = scores[0]
+    scores, weights = ranking.scores, ranking.weights
+    winner = ranking.winner
     return {
         "release": release,
         "model": slug,
@@ -79,8 +73,8 @@ def provenance_record(
         },
         "selection": {
             "weights": weights,
-            "gates": gates.__dict__,
-            "min_effect": min_effect,
+            "gates": ranking.gates.__dict__,
+            "min_effect": ranking.min_effect,
             "why": explain(scores, weights),
             "ranking": [
                 {
@@ -94,7 +88,8 @@ def provenance_record(
             ],
         },
         "measurements": {
-            name: _measurement(evaluation) for name, evaluation in sorted(evaluations.items())
+            name: _measurement(evaluation)
+            for name, evaluation in sorted(ranking.evaluations.items())
         },
     }
 

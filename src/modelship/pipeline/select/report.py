@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.select.scoring import METRICS, Gates, VariantScore, tie_at_top
+from modelship.pipeline.select.scoring import METRICS, Ranking, VariantScore, tie_at_top
 
 # metric -> (label, format of the raw value)
 _LABELS = {
@@ -205,15 +205,9 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    folder: Path,
-    slug: str,
-    release: int,
-    scores: list[VariantScore],
-    evaluations: dict[str, dict[str, Any]],
-    weights: dict[str, float],
-    gates: Gates,
-) -> None:
+def write_report(folder: Path, slug: str, release: int, ranking: Ranking) -> None:
+    scores, evaluations = ranking.scores, ranking.evaluations
+    weights, gates = ranking.weights, ranking.gates
     names = [s.variant for s in scores]
     header = ["metric (mean +/- 95% CI, normalized 0..1)", *names]
     weight_text = ", ".join(f"{g} {w:.2f}" for g, w in weights.items())

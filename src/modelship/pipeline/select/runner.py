@@ -33,6 +33,7 @@ from modelship.pipeline.select.provenance import PROVENANCE_FILE, provenance_rec
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
     Gates,
+    Ranking,
     VariantMeasurement,
     VariantScore,
     score_variants,
@@ -140,19 +141,8 @@ def select(
         "gates": gates.__dict__,
         "min_effect": config.select.min_effect,
     }
-    selection_hash = hash_inputs(selection)
-    release, new = _publish_release(
-        storage,
-        slug,
-        winner,
-        scores,
-        evaluations,
-        weights,
-        gates,
-        config.select.min_effect,
-        selection_hash,
-        log,
-    )
+    ranking = Ranking(scores, evaluations, weights, gates, config.select.min_effect)
+    release, new = _publish_release(storage, slug, ranking, hash_inputs(selection), log)
     return SelectionResult(
         winner.variant, release, new, scores, evaluations, time.perf_counter() - started
     )
@@ -264,9 +254,8 @@ def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
     return m
 
 
-def _publish_release(
-    storage, slug, winner, scores, evaluations, weights, gates, min_effect, selection_hash, log
-) -> tuple[int, bool]:
+def _publish_release(storage, slug, ranking: Ranking, selection_hash, log) -> tuple[int, bool]:
+    winner, scores, evaluations = ranking.winner, ranking.scores, ranking.evaluations
     current = storage.production_release(slug)
     if current is not None:
         try:
@@ -285,8 +274,8 @@ def _publish_release(
             "release": number,
             "variant": winner.variant,
             "score": winner.score,
-            "weights": weights,
-            "gates": gates.__dict__,
+            "weights": ranking.weights,
+            "gates": ranking.gates.__dict__,
             "ranking": [_score_dict(s) for s in scores],
             "evaluations": evaluations,
             "previous_release": current,
@@ -301,16 +290,14 @@ def _publish_release(
         ) as staging:
             link_tree(source, staging)
             (staging / "production_metrics.json").write_text(json.dumps(metrics, indent=2))
-            provenance = provenance_record(
-                storage, slug, number, scores, evaluations, weights, gates, min_effect
-            )
+            provenance = provenance_record(storage, slug, number, ranking)
             (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
             answers = (evaluations[winner.variant].get("serving") or {}).get("golden")
             if answers:  # what the drift probe compares every replica of this release with
                 golden.write_reference(
                     staging / golden.GOLDEN_FILE, [golden.GoldenAnswer(**a) for a in answers]
                 )
-            write_report(staging, slug, number, scores, evaluations, weights, gates)
+            write_report(staging, slug, number, ranking)
     storage.set_production(slug, number)
     log(f"release {number}: {winner.variant} (score {winner.score:.3f}); production -> {number}")
     return number, True

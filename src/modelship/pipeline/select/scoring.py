@@ -19,6 +19,7 @@ by default), then to the variant name, and `tie_at_top` says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelship.pipeline.select.stats import differ
 
@@ -72,6 +73,22 @@ class VariantScore:
     normalized: dict[str, float]  # metric -> 0..1
     group_scores: dict[str, float]  # group -> 0..1
     score: float
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """One selection's outcome, as the report and the provenance record describe it:
+    scores best first, the evaluations they came from, and the rules that applied."""
+
+    scores: list[VariantScore]
+    evaluations: dict[str, dict[str, Any]]
+    weights: dict[str, float]
+    gates: Gates
+    min_effect: float = DEFAULT_MIN_EFFECT
+
+    @property
+    def winner(self) -> VariantScore:
+        return self.scores[0]
 
 
 def weights_for(preset: str | None, overrides: dict[str, float] | None = None) -> dict[str, float]:

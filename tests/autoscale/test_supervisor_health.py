@@ -5,7 +5,8 @@ supervisor hands them), an injected clock.
 Found by the fleet and rollout drills: a replica whose engine died answered /health 503
 forever and was never replaced (the supervisor only noticed exited processes), and a
 canary whose weights made every replica fail its warm-up restarted forever, never judged
-(no request ever reached it) and never rolled back."""
+(no request ever reached it) and never rolled back. And the warm pool: ready replicas
+kept out of routing until a scale-out takes one."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
+from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor, SupervisorConfig
 from modelship.gateway.canary import Track
 from modelship.gateway.config import GatewayConfig
@@ -176,3 +179,58 @@ def test_a_canary_whose_replicas_keep_failing_is_given_up_once(
     assert reasons[0].startswith("the canary's replicas failed 3 times (last: exited with 3")
     assert "NonFiniteLogitsError" in reasons[0]
     assert supervisor.tracks[Track.CANARY].target is None and supervisor.replicas == []
+
+
+def test_a_scale_out_routes_a_warm_replica_at_once_and_refills_the_pool(
+    tmp_path: Path, launched: list
+) -> None:
+    clock = FakeClock(1000.0)
+    supervisor = make_supervisor(
+        tmp_path, launched, clock, health=200, max_replicas=2, warm_pool=1,
+        target_concurrency=1, scale_up_window_s=0, scale_down_window_s=0,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    supervisor.metrics = FleetMetrics(registry)
+    supervisor.set_target(Track.STABLE, ReleaseSpec(1, tmp_path, "fp16"))
+    service = GatewayService(GatewayConfig(), supervisor.pool)
+
+    def states() -> dict[str, int]:
+        return {s: supervisor.count(Track.STABLE, s) for s in ReplicaState if s != "draining"}
+
+    async def ticks() -> None:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            supervisor._client = client
+            for _ in range(100):  # one replica routed, one ready in the warm pool
+                await supervisor.tick()
+                if states() == {"starting": 0, "ready": 1, "standby": 1}:
+                    break
+                await asyncio.sleep(0.1)
+            assert states() == {"starting": 0, "ready": 1, "standby": 1}
+            assert len(list(supervisor.pool)) == 1  # the warm one takes no traffic
+            assert ("stable", "1", "fp16", "standby") in supervisor.snapshot(service).replicas
+
+            routed = next(iter(supervisor.pool)).endpoint
+            routed.add_request(1)
+            routed.add_request(1)  # load for two replicas
+            clock.now += 1
+            await supervisor.tick()
+            # In this very tick: the warm replica routed, a new one starting to refill
+            assert states() == {"starting": 1, "ready": 2, "standby": 0}
+            assert len(list(supervisor.pool)) == 2
+
+            routed.remove_request(1)
+            routed.remove_request(1)
+            clock.now += 1
+            await supervisor.tick()  # load gone: an idle routed replica is parked, not stopped
+            assert states()["ready"] == 1 and len(list(supervisor.pool)) == 1
+            assert states()["standby"] + states()["starting"] == 1
+
+    asyncio.run(ticks())
+
+    def scale_out(stat: str, source: str) -> float | None:
+        name = f"modelship_gateway_scale_out_seconds_{stat}"
+        return registry.get_sample_value(name, {"source": source})
+
+    # the warm replica took traffic in the very tick that wanted it (the clock stood still)
+    assert (scale_out("count", "warm"), scale_out("sum", "warm")) == (1.0, 0.0)
+    assert len(launched) == 3

@@ -19,6 +19,14 @@ class FleetMetrics:
             buckets=_START_BUCKETS,
             registry=registry,
         )
+        self.scale_out = Histogram(
+            PREFIX + "scale_out_seconds",
+            "From the autoscaler asking for a replica to it taking traffic: `warm` from the "
+            "warm pool, `cold` a process started for it.",
+            ["source"],
+            buckets=(0.01, 0.05, 0.1, 0.25, *_START_BUCKETS),
+            registry=registry,
+        )
         self.replica_restarts = Counter(
             PREFIX + "replica_restarts",
             "Replicas restarted after crashing.",

@@ -8,8 +8,11 @@ nothing for `max_unresponsive_s` (hung); a canary whose replicas keep failing is
 (`on_canary_failed`: the fleet rolls it back); (2) drains replicas
 of a release no longer wanted, once the wanted release has a ready replica; (3) asks the
 autoscaler policy how many stable replicas the load needs and starts or drains the
-difference. Draining means: out of routing at once, SIGTERM once the gateway has no
-request in flight there (the replica then drains itself), SIGKILL after `drain_timeout_s`.
+difference. With `warm_pool`, that many more stable replicas are kept ready but out of
+routing (STANDBY): a scale-out routes one of them at once and starts a replacement, and a
+scale-in parks an idle routed replica there rather than stopping it. Draining means: out
+of routing at once, SIGTERM once the gateway has no request in flight there (the replica
+then drains itself), SIGKILL after `drain_timeout_s`.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class ReleaseSpec:
 
 class ReplicaState(StrEnum):
     STARTING = "starting"
-    READY = "ready"
+    READY = "ready"  # in routing
+    STANDBY = "standby"  # ready, out of routing: the warm pool
     DRAINING = "draining"
 
 
@@ -78,6 +82,8 @@ class _TrackState:
     num_failures: int = 0  # every crash or replacement since the target was set
     next_start_at: float = 0.0
     time_to_ready_s: list[float] = field(default_factory=list)
+    routable_wanted: int = 0  # replicas the autoscaler wants in routing (the rest: warm pool)
+    short_since: float | None = None  # routing has had fewer replicas than wanted since
 
 
 class Supervisor:
@@ -155,7 +161,9 @@ class Supervisor:
 
     async def _observe(self, now: float) -> None:
         starting = [r for r in self.replicas if r.state is ReplicaState.STARTING]
-        serving = [r for r in self.replicas if r.state is ReplicaState.READY]
+        serving = [
+            r for r in self.replicas if r.state in (ReplicaState.READY, ReplicaState.STANDBY)
+        ]
         answers = await asyncio.gather(
             *(self._is_ready(r) for r in starting), *(self._health(r) for r in serving)
         )
@@ -204,7 +212,6 @@ class Supervisor:
             return None
 
     def _became_ready(self, replica: ManagedReplica, now: float) -> None:
-        replica.state = ReplicaState.READY
         seconds = now - replica.started_at
         state = self.tracks[replica.track]
         state.num_crashes = 0
@@ -213,9 +220,29 @@ class Supervisor:
         logger.info("%s ready in %.1fs (release %d)", replica.replica_id, seconds, spec.release)
         if self.metrics is not None:
             self.metrics.time_to_capacity.labels(str(spec.release), spec.variant).observe(seconds)
+        routed = self.count(replica.track, ReplicaState.READY)
+        wanted = routed < state.routable_wanted or replica.track is not Track.STABLE
+        if not wanted and spec == state.target:
+            replica.state = ReplicaState.STANDBY  # nobody waits for it: into the warm pool
+            logger.info("%s joins the warm pool", replica.replica_id)
+            return
+        self._route(replica, now, "cold")
+
+    def _route(self, replica: ManagedReplica, now: float, source: str) -> None:
+        """Into routing: a replica just ready (cold) or taken from the warm pool (warm).
+        The time since routing fell short of what the autoscaler wants is the scale-out's
+        time to capacity."""
+        replica.state = ReplicaState.READY
+        spec = replica.spec
         self.pool.add(
             replica.replica_id, replica.process.url, replica.track, str(spec.release), spec.variant
         )
+        state = self.tracks[replica.track]
+        if state.short_since is not None:
+            if self.metrics is not None:
+                self.metrics.scale_out.labels(source).observe(now - state.short_since)
+            if self.count(replica.track, ReplicaState.READY) >= state.routable_wanted:
+                state.short_since = None
 
     def _replace(self, replica: ManagedReplica, now: float, why: str) -> None:
         """A live replica that cannot serve: kill it, then replace it like a crashed one."""
@@ -274,19 +301,31 @@ class Supervisor:
         if state.target is None:
             state.desired = 0
             return 0
+        ready = self.count(Track.STABLE, ReplicaState.READY)
+        # Starting replicas are capacity on its way only as far as they will be routed when
+        # ready; those refilling the warm pool are not.
+        starting = min(
+            self.count(Track.STABLE, ReplicaState.STARTING),
+            max(0, state.routable_wanted - ready),
+        )
         decision = self.policy.decide(
             now,
             in_flight=self.pool.in_flight(Track.STABLE),
-            ready_replicas=self.count(Track.STABLE, ReplicaState.READY),
-            starting_replicas=self.count(Track.STABLE, ReplicaState.STARTING),
+            ready_replicas=ready,
+            starting_replicas=starting,
         )
         state.desired = decision.desired_replicas
         return decision.desired_replicas
 
     def _scale(self, track: Track, desired: int, now: float) -> None:
         state = self.tracks[track]
-        state.desired = desired
-        current = self.count(track, ReplicaState.STARTING, ReplicaState.READY)
+        state.desired = state.routable_wanted = desired
+        if state.short_since is None and self.count(track, ReplicaState.READY) < desired:
+            state.short_since = now
+        if track is Track.STABLE and state.target is not None:
+            self._use_warm_pool(desired, now)
+            desired += self.config.warm_pool  # kept started beyond what routing needs
+        current = self.count(track, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STANDBY)
         if desired > current and state.target is not None and now >= state.next_start_at:
             for _ in range(desired - current):
                 self.start(track, state.target)
@@ -297,12 +336,32 @@ class Supervisor:
                 (r for r in self.replicas
                  if r.track is track and r.spec == state.target
                  and r.state is not ReplicaState.DRAINING),
-                key=lambda r: (r.state is ReplicaState.READY, self._in_flight(r)),
+                key=lambda r: (r.state is ReplicaState.READY, r.state is ReplicaState.STANDBY,
+                               self._in_flight(r)),
             )  # fmt: skip
             for replica in candidates[: current - desired]:
                 self.drain(replica, now)
             if self.metrics is not None:
                 self.metrics.scale_events.labels(str(track), "down").inc(current - desired)
+
+    def _use_warm_pool(self, routable_wanted: int, now: float) -> None:
+        """Route warm replicas while routing has fewer than wanted; park idle routed ones
+        while it has more and the warm pool is short (their requests all ended: no await
+        between the check and leaving routing, so none can arrive in between)."""
+        target = self.tracks[Track.STABLE].target
+        mine = [r for r in self.replicas if r.track is Track.STABLE and r.spec == target]
+        routed = [r for r in mine if r.state is ReplicaState.READY]
+        warm = [r for r in mine if r.state is ReplicaState.STANDBY]
+        for replica in warm[: max(0, routable_wanted - len(routed))]:
+            logger.info("%s taken from the warm pool into routing", replica.replica_id)
+            self._route(replica, now, "warm")
+        excess = len(routed) - routable_wanted
+        room = self.config.warm_pool - len(warm)
+        idle = [r for r in routed if self._in_flight(r) == 0]
+        for replica in idle[: max(0, min(excess, room))]:
+            logger.info("%s leaves routing for the warm pool", replica.replica_id)
+            self.pool.remove(replica.replica_id)
+            replica.state = ReplicaState.STANDBY
 
     # Actions -----------------------------------------------------------------------------
     def start(self, track: Track, spec: ReleaseSpec) -> ManagedReplica:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -20,7 +21,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -31,9 +32,17 @@ from modelship.gateway.admission import AdmissionQueue
 from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
+from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
-from modelship.gateway.proxy import Attempt, StreamEnd, pump, raise_for_final, send_attempt
+from modelship.gateway.proxy import (
+    Attempt,
+    Resume,
+    StreamEnd,
+    pump,
+    raise_for_final,
+    send_attempt,
+)
 from modelship.gateway.request import (
     GatewayError,
     ParsedRequest,
@@ -311,6 +320,13 @@ class GatewayService:
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
         pass_usage_event = ask_for_usage(parsed.body) if parsed.stream else True
+        failover = (
+            parsed.stream
+            and resilience.max_failovers > 0
+            and can_fail_over(parsed.body, parsed.num_sequences)
+        )
+        if failover:
+            parsed.body["return_token_ids"] = True  # what a resuming replica is sent
         content = json.dumps(parsed.body).encode()
         headers = {
             **self.upstream_headers,
@@ -349,9 +365,16 @@ class GatewayService:
             raise unavailable("every replica's circuit breaker is open; retry shortly")
         raise_for_final(attempt)
         hold.upstream = attempt.upstream
+        hold.tried.add(attempt.upstream.endpoint_id)
         if parsed.stream and attempt.status_code == 200:
             usage = StreamUsage(pass_usage_event)
-            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage)
+            resume = None
+            if failover:
+                resume = functools.partial(
+                    self._resume, path, parsed, headers, track, routing, hold, request_id
+                )
+            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
+                                resume)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
@@ -420,10 +443,10 @@ class GatewayService:
         num_tokens: int,
         deadline: float,
         usage: StreamUsage,
+        resume: Resume | None = None,
     ) -> StreamingResponse:
-        upstream = attempt.upstream
-
-        def on_end(how: StreamEnd) -> None:
+        def on_end(how: StreamEnd, attempt: Attempt) -> None:
+            upstream = attempt.upstream  # the last replica that served the stream
             upstream.endpoint.remove_request(num_tokens)
             if how is StreamEnd.COMPLETE:
                 self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
@@ -439,7 +462,58 @@ class GatewayService:
             hold.end(how.status_code, attempt.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)
-        return StreamingResponse(pump(attempt, deadline, usage, on_end), headers=headers)
+        return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
+
+    async def _resume(
+        self,
+        path: str,
+        parsed: ParsedRequest,
+        headers: dict[str, str],
+        track: Track,
+        routing: RoutingRequest,
+        hold: _Hold,
+        request_id: str,
+        failed: Attempt,
+        progress: StreamProgress,
+    ) -> Attempt | None:
+        """A stream's replica failed mid-stream: resume it on another replica, trying at
+        most `max_failovers` of them; None when none could (the stream then ends with an
+        error event). The failed replica's request is ended and counted here."""
+        failed.upstream.endpoint.remove_request(routing.num_tokens)
+        self._record(failed.upstream, ok=False, ttft_s=failed.ttft_s, kind="read")
+        if hold.num_failovers >= self.config.resilience.max_failovers:
+            self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
+            return None
+        body = {**parsed.body, "resume_token_ids": progress.token_ids}
+        content = json.dumps(body).encode()
+        for upstream in self._candidates(track, routing):
+            if hold.num_failovers >= self.config.resilience.max_failovers:
+                break
+            if upstream.endpoint_id in hold.tried or not upstream.breaker.allow_request():
+                continue
+            hold.num_failovers += 1
+            hold.tried.add(upstream.endpoint_id)
+            attempt = await self._attempt(upstream, path, content, headers, parsed, hold, routing)
+            if attempt.failure is None and attempt.status_code == 200:
+                logger.warning(
+                    "request %s: replica %s failed mid-stream after %d tokens; resumed on %s",
+                    request_id, failed.upstream.endpoint_id, len(progress.token_ids),
+                    upstream.endpoint_id,
+                )  # fmt: skip
+                self.metrics.failovers.labels(str(FailoverOutcome.RESUMED)).inc()
+                hold.upstream = upstream
+                return attempt
+            if attempt.failure is None:  # refused (4xx): no replica will take it
+                upstream.endpoint.remove_request(routing.num_tokens)
+                logger.warning("request %s: resume refused with %d: %s", request_id,
+                               attempt.status_code, attempt.body[:200])  # fmt: skip
+                break
+        logger.warning(
+            "request %s: replica %s failed mid-stream after %d tokens; no replica resumed it",
+            request_id, failed.upstream.endpoint_id, len(progress.token_ids),
+        )  # fmt: skip
+        self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
+        return None
 
     def _record(
         self,
@@ -492,6 +566,8 @@ class _Hold:
     upstream: Upstream | None = None
     num_output_if_abandoned: int = 0  # while an attempt is generating
     ended: bool = False
+    num_failovers: int = 0  # replicas tried to resume the stream
+    tried: set[str] = field(default_factory=set)  # endpoints that served or resumed it
 
     def end(self, status_code: int, ttft_s: float | None, usage: Usage | None = None) -> None:
         """`usage`: as the replica counted it; None when the gateway never learned it (the

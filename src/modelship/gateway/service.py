@@ -14,7 +14,6 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import json
 import logging
 import os
 import random
@@ -268,8 +267,9 @@ class GatewayService:
                 raise GatewayError(400, admitted.message, code=admitted.reason)
             raise unavailable(admitted.message, admitted.retry_after_s or 1.0)
         if limit.max_tokens is not None and parsed.max_tokens is None:
-            parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
-        parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
+            parsed.set("max_tokens", limit.max_tokens)
+            parsed.max_tokens = limit.max_tokens
+        parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
         return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter())
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
@@ -319,15 +319,18 @@ class GatewayService:
         track = self.pick_track(parsed, tenant, request_id)
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
-        pass_usage_event = ask_for_usage(parsed.body) if parsed.stream else True
+        pass_usage_event = True
+        if parsed.stream:
+            pass_usage_event = ask_for_usage(parsed.body)
+            parsed.set("stream_options", parsed.body["stream_options"])
         failover = (
             parsed.stream
             and resilience.max_failovers > 0
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
         if failover:
-            parsed.body["return_token_ids"] = True  # what a resuming replica is sent
-        content = json.dumps(parsed.body).encode()
+            parsed.set("return_token_ids", True)  # what a resuming replica is sent
+        content = parsed.encode()
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
@@ -484,8 +487,7 @@ class GatewayService:
         if hold.num_failovers >= self.config.resilience.max_failovers:
             self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
             return None
-        body = {**parsed.body, "resume_token_ids": progress.token_ids}
-        content = json.dumps(body).encode()
+        content = parsed.encode(resume_token_ids=progress.token_ids)
         for upstream in self._candidates(track, routing):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
@@ -600,18 +602,29 @@ async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Ups
     which for a non-streaming request is the whole request's). Abandoned before any byte
     of an answer, the attempt can be retried elsewhere."""
     sending = asyncio.ensure_future(send)
-    hung = asyncio.ensure_future(upstream.wait_unresponsive())
+    abandoned = False
+
+    def abandon() -> None:
+        nonlocal abandoned
+        abandoned = True
+        sending.cancel()
+
+    unregister = upstream.on_unresponsive(abandon)
     try:
-        await asyncio.wait({sending, hung}, return_when=asyncio.FIRST_COMPLETED)
+        # Cancelling the caller cancels `sending` too.
+        return await sending
+    except asyncio.CancelledError:
+        if abandoned and not _is_cancelling():
+            return Attempt(upstream, failure=Failure(FailureKind.UNRESPONSIVE))
+        raise
     finally:
-        hung.cancel()
-        if not sending.done():
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sending
-    if sending.cancelled():
-        return Attempt(upstream, failure=Failure(FailureKind.UNRESPONSIVE))
-    return sending.result()
+        unregister()
+
+
+def _is_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not just what it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _bearer_key(request: Request) -> str:

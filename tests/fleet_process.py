@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from modelship.server.process import free_port
 
 
 class UpProcess:
-    def __init__(self, config: dict, storage: Path, slug: str, workdir: Path) -> None:
+    def __init__(
+        self, config: dict, storage: Path, slug: str, workdir: Path, env: dict | None = None
+    ) -> None:
         self.port = free_port()
         config = {**config, "gateway": {**config.get("gateway", {}), "port": self.port}}
         self.config_path = workdir / "pipeline.yaml"
@@ -32,6 +35,7 @@ class UpProcess:
             [sys.executable, "-m", "modelship", *self.cli_args("up")],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
 
     def cli_args(self, *command: str) -> list[str]:

@@ -95,3 +95,26 @@ def test_second_vocabulary_round_trip(tmp_path: Path) -> None:
     ids = other(text, add_special_tokens=False).input_ids
     deltas, _ = stream(other, ids, SamplingParams())
     assert "".join(deltas) == other.decode(ids)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 14])
+def test_a_resumed_stream_goes_on_as_one(tokenizer, cut: int) -> None:
+    """Resumed after `cut` tokens (a failover), the rest of the text, held-back
+    characters and a stop string spanning the cut come out as in one uninterrupted run."""
+    from modelship.engine.llm_engine import _detokenizer
+
+    ids = tokenizer("naïve café 東京 fox jumps over", add_special_tokens=False).input_ids
+    params = SamplingParams(stop=["jumps"])
+    whole, stop = stream(tokenizer, ids, params)
+    first = "".join(stream(tokenizer, ids[:cut], SamplingParams(stop=["jumps"]))[0][:cut])
+    prompt = [1, 2]
+    resumed = SamplingParams(stop=["jumps"], num_resumed_tokens=cut)
+    detok = _detokenizer(tokenizer, prompt + ids[:cut], resumed)
+    rest = []
+    for token in ids[cut:]:
+        out = detok.update([token])
+        rest.append(out.delta_text)
+        if out.stop_reason is not None:
+            assert out.stop_reason == stop == "jumps"
+            break
+    assert first + "".join(rest) == "".join(whole)

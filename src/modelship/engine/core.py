@@ -40,6 +40,7 @@ from typing import Any
 from modelship.engine.async_engine import stream_deltas
 from modelship.engine.config import EngineConfig
 from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
+from modelship.engine.faults import REPLICA_PID_ENV
 from modelship.engine.outputs import EngineStats, SequenceDelta
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.tokenizer import load_tokenizer
@@ -180,6 +181,7 @@ class EngineCoreClient:
         self._process = subprocess.Popen(
             [sys.executable, "-c", _CORE_MAIN, str(core_in), str(core_out)],
             pass_fds=(core_in, core_out),
+            env={**os.environ, REPLICA_PID_ENV: str(os.getpid())},
         )
         os.close(core_in)
         os.close(core_out)

@@ -185,6 +185,10 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if params.num_resumed_tokens >= len(prompt_token_ids):
+            raise InvalidParamsError(
+                "num_resumed_tokens", "num_resumed_tokens must be shorter than the prompt"
+            )
         # Everything that can fail runs before the scheduler takes the first sequence.
         seqs = [
             Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt)
@@ -196,7 +200,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             seqs,
-            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
+            [_detokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
             held_back=seqs[1:],
         )
         self.scheduler.add_request(seqs[0], num_held_back=len(request.held_back))
@@ -359,7 +363,7 @@ class LLMEngine:
         were accepted); a stop string inside them ends it there, the rest is dropped."""
         request, index = self._seq_owner[seq.seq_id]
         if self._faults is not None:
-            self._faults.on_sampled(request.prompt_token_ids)
+            self._faults.on_sampled(request.prompt_token_ids, seq.params, seq.num_output_tokens)
         new_tokens = seq.token_ids[seq.num_tokens - num_new :]
         detokenizer = request.detokenizers[index]
         params = seq.params
@@ -446,3 +450,16 @@ def _token_logprob(sampler_output, row: int, token_id: int, num_top: int) -> Tok
         values = sampler_output.top_logprobs[row, :num_top].tolist()
         top = dict(zip(ids, values, strict=True))
     return TokenLogprob(token_id, float(sampler_output.logprobs[row]), top)
+
+
+def _detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    """A resumed request's detokenizer has seen its resumed tokens as output, fed one at a
+    time as the replica that generated them did: its text, what it held back (a partial
+    character, the start of a stop string) and what it emitted are that replica's."""
+    num_resumed = params.num_resumed_tokens
+    if not num_resumed:
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids[:-num_resumed], params)
+    for token_id in prompt_token_ids[-num_resumed:]:
+        detokenizer.update([token_id])
+    return detokenizer

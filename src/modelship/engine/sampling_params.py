@@ -57,6 +57,12 @@ class SamplingParams:
     # speculative decoding for this request where the engine has it on (None: the engine's
     # default); output and its distribution are the same either way
     speculative: bool | None = None
+    # The prompt's last `num_resumed_tokens` are output an earlier replica already streamed
+    # (a gateway's failover continuation): they are detokenized as output, so text merges
+    # and stop strings run on across the cut as in one uninterrupted run. `max_tokens` and
+    # `min_tokens` count only what is still to come. Penalties and a seeded generator see
+    # only the new tokens (a sampled continuation is valid, not identical).
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +88,11 @@ class SamplingParams:
                 "max_tokens must be at least 1",
             ),
             ("min_tokens", self.min_tokens >= 0, "min_tokens must be non-negative"),
+            (
+                "num_resumed_tokens",
+                self.num_resumed_tokens >= 0,
+                "num_resumed_tokens must be non-negative",
+            ),
             ("temperature", self.temperature >= 0.0, "temperature must be non-negative"),
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
@@ -153,7 +164,8 @@ class SamplingParams:
 
 
 _MIN_TEMPERATURE = 1e-5
-_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+         "num_resumed_tokens")  # fmt: skip
 _OPTIONAL = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _FLOATS = (
     "temperature",

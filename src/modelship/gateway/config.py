@@ -41,6 +41,9 @@ class ResilienceConfig(_Section):
     max_attempts: int = Field(default=3, ge=1)
     base_backoff_s: float = Field(default=0.02, ge=0)
     max_backoff_s: float = Field(default=0.5, ge=0)
+    # Mid-stream failover: replicas tried to resume a stream whose replica failed after
+    # its first byte (0: such a stream ends with an error event).
+    max_failovers: int = Field(default=2, ge=0)
     # Circuit breaker per replica.
     breaker_failure_threshold: int = Field(default=3, ge=1)
     breaker_cool_down_s: float = Field(default=5.0, ge=0)

@@ -152,6 +152,13 @@ class GatewayMetrics:
             ["kind"],
             registry=r,
         )
+        self.failovers = Counter(
+            PREFIX + "failovers",
+            "Streams whose replica failed mid-stream, by outcome (resumed on another "
+            "replica; exhausted: ended with an error event).",
+            ["outcome"],
+            registry=r,
+        )
         self.upstream_failures = Counter(
             PREFIX + "upstream_failures",
             "Failed attempts at a replica, by release and failure kind.",

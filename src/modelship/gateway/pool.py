@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -39,6 +39,7 @@ class Upstream:
     is_draining: bool = False
     num_unanswered_checks: int = 0  # consecutive health checks that timed out or broke
     _unresponsive: asyncio.Event = field(default_factory=asyncio.Event)
+    _callbacks: set[Callable[[], None]] = field(default_factory=set)  # `on_unresponsive`
 
     @property
     def endpoint_id(self) -> str:
@@ -56,9 +57,16 @@ class Upstream:
     def is_unresponsive(self) -> bool:
         return self._unresponsive.is_set()
 
-    async def wait_unresponsive(self) -> None:
-        """Returns once the replica is (or is already) taken for hung."""
-        await self._unresponsive.wait()
+    def on_unresponsive(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once the replica is taken for hung (at once if it is already);
+        returns what unregisters it. A callback, not a waiting task: every attempt
+        registers one, and a task per attempt was a measurable part of the gateway's
+        overhead."""
+        if self._unresponsive.is_set():
+            callback()
+            return lambda: None
+        self._callbacks.add(callback)
+        return lambda: self._callbacks.discard(callback)
 
     def record_check(self, answered: bool) -> None:
         """One health check's fate: answered (any status), or no answer in time."""
@@ -70,6 +78,9 @@ class Upstream:
                     "on it", self.endpoint_id, self.num_unanswered_checks,
                 )  # fmt: skip
             self._unresponsive.set()
+            callbacks, self._callbacks = self._callbacks, set()
+            for callback in callbacks:
+                callback()
         else:
             self._unresponsive.clear()
 

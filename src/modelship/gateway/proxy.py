@@ -3,7 +3,8 @@
 An attempt is one replica tried once. An attempt that fails before any byte reached the
 client (refused connection, 503, a replica that died before answering) is retried on the
 next candidate, after a jittered backoff, up to `max_attempts`. Once the first byte is
-out, the response is the client's: a stream that breaks ends with an error event.
+out, the response is the client's: a stream that breaks is resumed on another replica
+where it can be (`failover.py`), else it ends with an error event.
 
 Only the replica's faults are failures (a 5xx, a broken connection, silence past the read
 timeout): a 4xx is the request's own fault and a client hanging up is the client's, so
@@ -15,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import httpx
 
+from modelship.gateway.failover import StreamProgress
 from modelship.gateway.pool import Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.resilience import Failure, FailureKind
@@ -152,26 +154,52 @@ class StreamEnd(StrEnum):
         return {"complete": 200, "replica_failed": 502, "timed_out": 504}.get(self, 499)
 
 
+Resume = Callable[[Attempt, StreamProgress], Awaitable["Attempt | None"]]
+
+
 async def pump(
     attempt: Attempt,
     deadline: float,
     usage: StreamUsage,
-    on_end: Callable[[StreamEnd], None],
+    on_end: Callable[[StreamEnd, Attempt], None],
+    resume: Resume | None = None,
 ) -> AsyncIterator[bytes]:
     """Yield a streaming attempt's events to the client, read by `usage` on the way;
-    `on_end(how)` runs once however the stream ends (finished, replica failed, deadline,
-    client gone)."""
+    `on_end(how, attempt)` runs once however the stream ends (finished, replica failed,
+    deadline, client gone), with the attempt that served it last. With `resume`, a replica
+    failing mid-stream is replaced by the attempt `resume` returns (None: none could)."""
     assert attempt.response is not None and attempt.chunks is not None
-    response = attempt.response
+    progress = StreamProgress() if resume is not None else None
     # Anything else that ends the generator (cancelled, or closed at a yield) is the
     # client going away.
     how = StreamEnd.CLIENT_GONE
     try:
-        yield usage.feed(attempt.first_chunk)
+        first = usage.feed(attempt.first_chunk)
+        yield progress.read(first) if progress is not None else first
         async with asyncio.timeout_at(deadline):
-            async for chunk in attempt.chunks:
-                if passed := usage.feed(chunk):
-                    yield passed
+            while True:
+                try:
+                    async for chunk in attempt.chunks:
+                        if passed := usage.feed(chunk):
+                            yield progress.read(passed) if progress is not None else passed
+                    break
+                except httpx.HTTPError:
+                    if resume is None or progress is None:
+                        raise
+                    usage.flush()  # half an event: dropped
+                    await attempt.response.aclose()
+                    if progress.is_finished:  # its last token went out: close it cleanly
+                        how = StreamEnd.REPLICA_FAILED
+                        yield b"data: [DONE]\n\n"
+                        return
+                    resumed = await resume(attempt, progress)
+                    if resumed is None:
+                        raise
+                    attempt = resumed
+                    progress.resume()
+                    assert attempt.response is not None and attempt.chunks is not None
+                    if passed := usage.feed(attempt.first_chunk):
+                        yield progress.read(passed)
         how = StreamEnd.COMPLETE
         if rest := usage.flush():
             yield rest
@@ -180,10 +208,13 @@ async def pump(
         how = StreamEnd.TIMED_OUT if timed_out else StreamEnd.REPLICA_FAILED
         what = "timed out" if isinstance(exc, TimeoutError | httpx.TimeoutException) else "failed"
         usage.flush()  # half an event: dropped
+        if resume is not None and not timed_out:
+            what += " and no other replica could resume the stream"
         yield error_event(f"the replica {what} during the stream; the response is incomplete")
     finally:
-        await response.aclose()
-        on_end(how)
+        assert attempt.response is not None
+        await attempt.response.aclose()
+        on_end(how, attempt)
 
 
 def raise_for_final(attempt: Attempt) -> None:

@@ -8,7 +8,7 @@ through unchanged.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -71,6 +71,28 @@ class ParsedRequest:
     # Sequences the replica will run at once: `n` per prompt (a completion may list several
     # prompts). Each holds an admission and a tenant concurrency slot, and is priced.
     num_sequences: int = 1
+    raw: bytes = b""  # the body as the client sent it
+    changed: dict[str, Any] = field(default_factory=dict)  # fields the gateway set (`set`)
+
+    def set(self, key: str, value: Any) -> None:
+        """Set a field of the body the replica gets."""
+        self.body[key] = value
+        self.changed[key] = value
+
+    def encode(self, **extra: Any) -> bytes:
+        """The body for the replica: the client's own bytes with the fields the gateway set
+        (and `extra`) appended, so a long prompt is never re-encoded. A later duplicate key
+        wins in Python's json (the replica's parser), as it does in most. A body that is
+        not plain UTF-8 (JSON also parses from UTF-16 and UTF-32) is encoded anew."""
+        changes = {**self.changed, **extra}
+        if not changes:
+            return self.raw
+        head = self.raw.rstrip()
+        if not (head.endswith(b"}") and self.raw.lstrip().startswith(b"{")) or b"\x00" in head:
+            return json.dumps({**self.body, **extra}).encode()
+        head = head[:-1].rstrip()
+        separator = b"" if head.endswith(b"{") else b","
+        return head + separator + json.dumps(changes).encode()[1:]
 
     def routing_request(self, estimated_output_tokens: int) -> RoutingRequest:
         return RoutingRequest(
@@ -141,6 +163,7 @@ def parse_request(
         user=user if isinstance(user, str) else None,
         session_id=session_id,
         num_sequences=n * prompt.num_prompts,
+        raw=raw,
     )
 
 

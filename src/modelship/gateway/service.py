@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
-import json
 import logging
 import os
 import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,9 +32,17 @@ from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
+from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
-from modelship.gateway.proxy import Attempt, StreamEnd, pump, raise_for_final, send_attempt
+from modelship.gateway.proxy import (
+    Attempt,
+    Resume,
+    StreamEnd,
+    pump,
+    raise_for_final,
+    send_attempt,
+)
 from modelship.gateway.request import (
     GatewayError,
     ParsedRequest,
@@ -266,8 +274,9 @@ class GatewayService:
                 raise GatewayError(400, admitted.message, code=admitted.reason)
             raise unavailable(admitted.message, admitted.retry_after_s or 1.0)
         if limit.max_tokens is not None and parsed.max_tokens is None:
-            parsed.body["max_tokens"] = parsed.max_tokens = limit.max_tokens
-        parsed.body["priority"] = int(tenant.priority)  # the tenant's class, not the client's
+            parsed.set("max_tokens", limit.max_tokens)
+            parsed.max_tokens = limit.max_tokens
+        parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
         return _Hold(
             self,
             tenant,
@@ -324,8 +333,18 @@ class GatewayService:
         track = self.pick_track(parsed, tenant, request_id)
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
-        pass_usage_event = ask_for_usage(parsed.body) if parsed.stream else True
-        content = json.dumps(parsed.body).encode()
+        pass_usage_event = True
+        if parsed.stream:
+            pass_usage_event = ask_for_usage(parsed.body)
+            parsed.set("stream_options", parsed.body["stream_options"])
+        failover = (
+            parsed.stream
+            and resilience.max_failovers > 0
+            and can_fail_over(parsed.body, parsed.num_sequences)
+        )
+        if failover:
+            parsed.set("return_token_ids", True)  # what a resuming replica is sent
+        content = parsed.encode()
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
@@ -363,9 +382,16 @@ class GatewayService:
             raise unavailable("every replica's circuit breaker is open; retry shortly")
         raise_for_final(attempt)
         hold.upstream = attempt.upstream
+        hold.tried.add(attempt.upstream.endpoint_id)
         if parsed.stream and attempt.status_code == 200:
             usage = StreamUsage(pass_usage_event)
-            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage)
+            resume = None
+            if failover:
+                resume = functools.partial(
+                    self._resume, path, parsed, headers, track, routing, hold, request_id
+                )
+            return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
+                                resume)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
@@ -434,10 +460,10 @@ class GatewayService:
         num_tokens: int,
         deadline: float,
         usage: StreamUsage,
+        resume: Resume | None = None,
     ) -> StreamingResponse:
-        upstream = attempt.upstream
-
-        def on_end(how: StreamEnd) -> None:
+        def on_end(how: StreamEnd, attempt: Attempt) -> None:
+            upstream = attempt.upstream  # the last replica that served the stream
             upstream.endpoint.remove_request(num_tokens)
             if how is StreamEnd.COMPLETE:
                 self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
@@ -457,7 +483,57 @@ class GatewayService:
             hold.end(how.status_code, attempt.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)
-        return StreamingResponse(pump(attempt, deadline, usage, on_end), headers=headers)
+        return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
+
+    async def _resume(
+        self,
+        path: str,
+        parsed: ParsedRequest,
+        headers: dict[str, str],
+        track: Track,
+        routing: RoutingRequest,
+        hold: _Hold,
+        request_id: str,
+        failed: Attempt,
+        progress: StreamProgress,
+    ) -> Attempt | None:
+        """A stream's replica failed mid-stream: resume it on another replica, trying at
+        most `max_failovers` of them; None when none could (the stream then ends with an
+        error event). The failed replica's request is ended and counted here."""
+        failed.upstream.endpoint.remove_request(routing.num_tokens)
+        self._record(failed.upstream, ok=False, ttft_s=failed.ttft_s, kind="read")
+        if hold.num_failovers >= self.config.resilience.max_failovers:
+            self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
+            return None
+        content = parsed.encode(resume_token_ids=progress.token_ids)
+        for upstream in self._candidates(track, routing):
+            if hold.num_failovers >= self.config.resilience.max_failovers:
+                break
+            if upstream.endpoint_id in hold.tried or not upstream.breaker.allow_request():
+                continue
+            hold.num_failovers += 1
+            hold.tried.add(upstream.endpoint_id)
+            attempt = await self._attempt(upstream, path, content, headers, parsed, hold, routing)
+            if attempt.failure is None and attempt.status_code == 200:
+                logger.warning(
+                    "request %s: replica %s failed mid-stream after %d tokens; resumed on %s",
+                    request_id, failed.upstream.endpoint_id, len(progress.token_ids),
+                    upstream.endpoint_id,
+                )  # fmt: skip
+                self.metrics.failovers.labels(str(FailoverOutcome.RESUMED)).inc()
+                hold.upstream = upstream
+                return attempt
+            if attempt.failure is None:  # refused (4xx): no replica will take it
+                upstream.endpoint.remove_request(routing.num_tokens)
+                logger.warning("request %s: resume refused with %d: %s", request_id,
+                               attempt.status_code, attempt.body[:200])  # fmt: skip
+                break
+        logger.warning(
+            "request %s: replica %s failed mid-stream after %d tokens; no replica resumed it",
+            request_id, failed.upstream.endpoint_id, len(progress.token_ids),
+        )  # fmt: skip
+        self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
+        return None
 
     def _record(
         self,
@@ -511,6 +587,8 @@ class _Hold:
     upstream: Upstream | None = None
     num_output_if_abandoned: int = 0  # while an attempt is generating
     ended: bool = False
+    num_failovers: int = 0  # replicas tried to resume the stream
+    tried: set[str] = field(default_factory=set)  # endpoints that served or resumed it
 
     def end(self, status_code: int, ttft_s: float | None, usage: Usage | None = None) -> None:
         """`usage`: as the replica counted it; None when the gateway never learned it (the
@@ -552,18 +630,29 @@ async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Ups
     which for a non-streaming request is the whole request's). Abandoned before any byte
     of an answer, the attempt can be retried elsewhere."""
     sending = asyncio.ensure_future(send)
-    hung = asyncio.ensure_future(upstream.wait_unresponsive())
+    abandoned = False
+
+    def abandon() -> None:
+        nonlocal abandoned
+        abandoned = True
+        sending.cancel()
+
+    unregister = upstream.on_unresponsive(abandon)
     try:
-        await asyncio.wait({sending, hung}, return_when=asyncio.FIRST_COMPLETED)
+        # Cancelling the caller cancels `sending` too.
+        return await sending
+    except asyncio.CancelledError:
+        if abandoned and not _is_cancelling():
+            return Attempt(upstream, failure=Failure(FailureKind.UNRESPONSIVE))
+        raise
     finally:
-        hung.cancel()
-        if not sending.done():
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sending
-    if sending.cancelled():
-        return Attempt(upstream, failure=Failure(FailureKind.UNRESPONSIVE))
-    return sending.result()
+        unregister()
+
+
+def _is_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not just what it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _bearer_key(request: Request) -> str:

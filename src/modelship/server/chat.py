@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from modelship.server import protocol as p
-from modelship.server.serving import SSE_DONE, OpenAIServing, sse
+from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 
 
 async def create_chat_completion(
@@ -16,13 +16,16 @@ async def create_chat_completion(
     """Validate everything before the engine sees the request; errors raise `APIError`."""
     serving.check_request(request)
     prompt = await serving.chat_prompt(request)
-    params = serving.sampling_params(request, len(prompt))
+    resumed = serving.resumed_token_ids(request)
+    params = serving.sampling_params(request, len(prompt), len(resumed))
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0
     if request.stream:
-        deltas = serving.generate(request_id, prompt, params, request.priority, cache_salt)
+        deltas = serving.generate(
+            request_id, prompt + resumed, params, request.priority, cache_salt
+        )
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
-        return _stream(serving, request, request_id, len(prompt), first, deltas, num_top)
+        return _stream(serving, request, request_id, len(prompt), len(resumed), first, deltas)
     choices = await serving.collect(request_id, prompt, params, request.priority, cache_salt)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
@@ -45,20 +48,26 @@ async def create_chat_completion(
     )
 
 
-async def _stream(serving, request, request_id, num_prompt_tokens, first, deltas, num_top):
+async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas):
+    """A resumed stream (`num_resumed` > 0) goes on where the failed one stopped: no opening
+    role chunk, and usage as one uninterrupted stream would have counted it."""
     created = int(time.time())
+    num_top = request.top_logprobs or 0
+    exclude = None if request.return_token_ids else WITHOUT_TOKEN_IDS
 
     def chunk(index: int, delta: p.ChatDelta, **fields) -> str:
         choice = p.ChatStreamChoice(index=index, delta=delta, **fields)
         return sse(
             p.ChatCompletionChunk(
                 id=request_id, created=created, model=serving.model_name, choices=[choice]
-            )
+            ),
+            exclude,
         )
 
-    for index in range(request.n):
-        yield chunk(index, p.ChatDelta(role="assistant", content=""))
-    completion_tokens = 0
+    if not num_resumed:
+        for index in range(request.n):
+            yield chunk(index, p.ChatDelta(role="assistant", content=""))
+    completion_tokens = num_resumed
 
     # Closing this generator (the client went away) closes `deltas`, which aborts the
     # request in the engine and frees its blocks.
@@ -69,8 +78,14 @@ async def _stream(serving, request, request_id, num_prompt_tokens, first, deltas
             logprobs = None
             if request.logprobs and delta.logprobs:
                 logprobs = serving.chat_logprobs(delta.logprobs, num_top)
-            if delta.text or logprobs is not None:
-                yield chunk(delta.index, p.ChatDelta(content=delta.text), logprobs=logprobs)
+            token_ids = delta.token_ids if request.return_token_ids else None
+            if delta.text or logprobs is not None or token_ids:
+                yield chunk(
+                    delta.index,
+                    p.ChatDelta(content=delta.text),
+                    logprobs=logprobs,
+                    token_ids=token_ids,
+                )
             if delta.finish_reason is not None:
                 yield chunk(delta.index, p.ChatDelta(), finish_reason=delta.finish_reason)
             delta = await anext(deltas, None)
@@ -83,6 +98,7 @@ async def _stream(serving, request, request_id, num_prompt_tokens, first, deltas
         yield sse(
             p.ChatCompletionChunk(
                 id=request_id, created=created, model=serving.model_name, choices=[], usage=usage
-            )
+            ),
+            exclude,
         )
     yield SSE_DONE

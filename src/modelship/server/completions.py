@@ -17,14 +17,16 @@ async def create_completion(
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_request(request)
     prompts = await serving.completion_prompts(request)
-    params = [serving.sampling_params(request, len(prompt)) for prompt in prompts]
+    resumed = serving.resumed_token_ids(request)
+    params = [serving.sampling_params(request, len(prompt), len(resumed)) for prompt in prompts]
     request_id = p.random_id("cmpl")
     if request.stream:
         if len(prompts) != 1:
             raise BadRequestError("streaming supports one prompt per request", "prompt")
-        deltas = serving.generate(request_id, prompts[0], params[0], request.priority, cache_salt)
+        prompt = prompts[0] + resumed
+        deltas = serving.generate(request_id, prompt, params[0], request.priority, cache_salt)
         first = await anext(deltas)  # admission errors surface before any byte is sent
-        return _stream(serving, request, request_id, prompts[0], first, deltas)
+        return _stream(serving, request, request_id, prompts[0], len(resumed), first, deltas)
 
     # A task group, not gather: when one prompt fails, the others are cancelled (which
     # aborts their engine requests) instead of generating to the end for nobody.
@@ -70,16 +72,21 @@ async def create_completion(
     )
 
 
-async def _stream(serving, request, request_id, prompt, first, deltas):
+async def _stream(serving, request, request_id, prompt, num_resumed, first, deltas):
+    """A resumed stream (`num_resumed` > 0) goes on where the failed one stopped, with
+    usage as one uninterrupted stream would have counted it."""
     created = int(time.time())
-    completion_tokens = 0
+    completion_tokens = num_resumed
     offsets = [0] * request.n
 
-    def chunk(choice: p.CompletionChoice) -> str:
+    def chunk(choice: p.CompletionChoice, token_ids: list[int] | None = None) -> str:
         response = p.CompletionResponse(
             id=request_id, created=created, model=serving.model_name, choices=[choice]
         )
-        return sse(response.model_dump(exclude={"usage"}))
+        payload = response.model_dump(exclude={"usage"})
+        if request.return_token_ids:
+            payload["choices"][0]["token_ids"] = token_ids
+        return sse(payload)
 
     if request.echo:
         text = serving.tokenizer.decode(prompt)
@@ -102,14 +109,16 @@ async def _stream(serving, request, request_id, prompt, first, deltas):
             if request.logprobs is not None and delta.logprobs:
                 logprobs = serving.completion_logprobs(delta.logprobs, offsets[delta.index])
             offsets[delta.index] += len(delta.text)
-            if delta.text or logprobs is not None or delta.finish_reason is not None:
+            token_ids = delta.token_ids if request.return_token_ids else None
+            if delta.text or logprobs is not None or delta.finish_reason is not None or token_ids:
                 yield chunk(
                     p.CompletionChoice(
                         index=delta.index,
                         text=delta.text,
                         logprobs=logprobs,
                         finish_reason=delta.finish_reason,
-                    )
+                    ),
+                    token_ids,
                 )
             delta = await anext(deltas, None)
     if request.stream_options and request.stream_options.include_usage:

@@ -96,6 +96,13 @@ class _Request(BaseModel):
     # extension: prompt-lookup speculative decoding where the server has it on (None: the
     # server's default); the output is the same either way
     speculative: bool | None = None
+    # extension: each streamed choice carries `token_ids`, the ids it generated (an event
+    # is sent even when their text is held back), so a gateway can resume the stream
+    return_token_ids: bool = False
+    # extension: the ids this request already generated on a replica that died mid-stream
+    # (streams with n=1 only): generation resumes after them, text and stop strings run on
+    # across the cut, `max_tokens` counts them, and usage counts them as completion tokens
+    resume_token_ids: list[int] | None = None
 
 
 class TextPart(BaseModel):
@@ -192,6 +199,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with `return_token_ids` only
 
 
 class ChatCompletionChunk(BaseModel):

@@ -126,9 +126,32 @@ class OpenAIServing:
         encoding = await loop.run_in_executor(self._tokenize_pool, encode)
         return [list(ids) for ids in encoding.input_ids]
 
+    def resumed_token_ids(
+        self, request: p.ChatCompletionRequest | p.CompletionRequest
+    ) -> list[int]:
+        """`resume_token_ids`, checked: the output a failed replica already streamed."""
+        ids = request.resume_token_ids
+        if not ids:
+            return []
+        if not request.stream or request.n != 1:
+            raise BadRequestError("resume_token_ids: only for streams with n=1", "resume_token_ids")
+        if isinstance(request, p.CompletionRequest) and (request.echo or request.num_prompts != 1):
+            raise BadRequestError(
+                "resume_token_ids: only for one prompt without echo", "resume_token_ids"
+            )
+        vocab_size = len(self.tokenizer)
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise BadRequestError(f"token ids must be in [0, {vocab_size})", "resume_token_ids")
+        return list(ids)
+
     def sampling_params(
-        self, request: p.ChatCompletionRequest | p.CompletionRequest, prompt_len: int
+        self,
+        request: p.ChatCompletionRequest | p.CompletionRequest,
+        prompt_len: int,
+        num_resumed: int = 0,
     ) -> SamplingParams:
+        """`prompt_len` without the `num_resumed` tokens a resumed stream already has:
+        `max_tokens` and `min_tokens` count those, the engine only the rest."""
         max_tokens = request.max_tokens
         if isinstance(request, p.ChatCompletionRequest) and request.max_completion_tokens:
             max_tokens = request.max_completion_tokens
@@ -153,7 +176,7 @@ class OpenAIServing:
                 prompt_logprobs = logprobs
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=request.n,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
@@ -174,6 +197,15 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
             )
+            if num_resumed:
+                if max_tokens <= num_resumed:
+                    raise BadRequestError(
+                        "resume_token_ids: must be shorter than max_tokens", "resume_token_ids"
+                    )
+                params.max_tokens = max_tokens - num_resumed
+                params.min_tokens = max(0, params.min_tokens - num_resumed)
+                params.num_resumed_tokens = num_resumed
+            return params
         except InvalidParamsError as exc:
             param = exc.param
             if isinstance(request, p.ChatCompletionRequest) and param == "logprobs":
@@ -310,13 +342,17 @@ def _engine_dead(exc: EngineDeadError) -> UnavailableError:
     return UnavailableError(f"{exc}; retry on another replica")
 
 
-def sse(payload: p.BaseModel | dict) -> str:
+def sse(payload: p.BaseModel | dict, exclude: Any = None) -> str:
     data = (
-        payload.model_dump_json(exclude_none=False)
+        payload.model_dump_json(exclude_none=False, exclude=exclude)
         if isinstance(payload, p.BaseModel)
         else (json.dumps(payload))
     )
     return f"data: {data}\n\n"
+
+
+# Leaves the `token_ids` extension out of a chunk whose request did not ask for it.
+WITHOUT_TOKEN_IDS = {"choices": {"__all__": {"token_ids"}}}
 
 
 SSE_DONE = "data: [DONE]\n\n"

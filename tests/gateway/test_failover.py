@@ -1,0 +1,107 @@
+"""Mid-stream failover through `modelship up`: a replica killed (-9) in the middle of a
+stream, the client's stream goes on from the other replica and equals an uninterrupted
+greedy run; with no replica left to resume it, the stream ends with an error event."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from modelship.engine.faults import FAULTS_ENV
+from modelship.storage import Storage
+
+from fleet_process import UpProcess
+from fleet_storage import publish_release
+
+SLUG = "tiny"
+KILL_SEED, KILL_AFTER = 7, 8  # a request with this seed kills its replica at its 8th token
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    workdir = tmp_path_factory.mktemp("failover")
+    storage = Storage(workdir / "storage")
+    storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
+    config = {
+        "serve": {"engine": {"max_model_len": 128, "kv_cache_memory_mb": 8}},
+        "gateway": {
+            "routing": {"policy": "round_robin"},
+            "resilience": {"max_failovers": 1, "breaker_failure_threshold": 5},
+        },
+        "autoscale": {"min_replicas": 2, "max_replicas": 2, "restart_backoff_s": 0.2},
+    }
+    env = {FAULTS_ENV: f"kill={KILL_SEED}/{KILL_AFTER}"}
+    up = UpProcess(config, storage.root, SLUG, workdir, env=env)
+    try:
+        up.wait_ready()
+        _wait_two_ready(up)
+        yield up
+    finally:
+        up.stop()
+
+
+def _wait_two_ready(up: UpProcess) -> None:
+    up.wait_for(
+        lambda: up.metric("modelship_gateway_replicas", state="ready") == 2,
+        timeout_s=120,
+        what="two ready replicas",
+    )
+
+
+def _client(up: UpProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{up.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _chat(up: UpProcess, max_tokens: int, **kwargs) -> tuple[str, openai.types.CompletionUsage]:
+    stream = _client(up).chat.completions.create(
+        model=SLUG,
+        messages=[{"role": "user", "content": "The quick brown fox"}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        **kwargs,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len({c.id for c in chunks}) == 1  # one stream, whichever replica served it
+    return text, chunks[-1].usage
+
+
+def test_chat_stream_survives_a_killed_replica(fleet: UpProcess):
+    resumed_before = fleet.metric("modelship_gateway_failovers_total", outcome="resumed")
+    expected, expected_usage = _chat(fleet, KILL_AFTER)
+    text, usage = _chat(fleet, KILL_AFTER, seed=KILL_SEED)  # its first replica dies
+    assert text == expected
+    assert usage == expected_usage  # counted as one uninterrupted stream
+    after = fleet.metric("modelship_gateway_failovers_total", outcome="resumed")
+    assert after == resumed_before + 1
+
+
+def test_completion_stream_survives_a_killed_replica(fleet: UpProcess):
+    _wait_two_ready(fleet)
+    prompt = "Paged attention reads keys"
+
+    def complete(**kwargs) -> str:
+        stream = _client(fleet).completions.create(
+            model=SLUG, prompt=prompt, max_tokens=KILL_AFTER, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, **kwargs,
+        )  # fmt: skip
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    assert complete(seed=KILL_SEED) == complete()
+
+
+def test_stream_ends_with_an_error_event_when_no_replica_can_resume(fleet: UpProcess):
+    """Both replicas die (the resumed request reaches the kill again): with one failover
+    allowed, the client gets an error event, not a silently cut stream."""
+    _wait_two_ready(fleet)
+    before = fleet.metric("modelship_gateway_failovers_total", outcome="exhausted")
+    with pytest.raises(openai.APIError, match="no other replica could resume"):
+        _chat(fleet, 3 * KILL_AFTER, seed=KILL_SEED)
+    assert fleet.metric("modelship_gateway_failovers_total", outcome="exhausted") == before + 1

@@ -22,6 +22,8 @@ class KVCacheDtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     int8 = "int8"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
 
 
 class EngineCorePlacement(StrEnum):
@@ -71,7 +73,8 @@ def serve(
         KVCacheDtype,
         typer.Option(
             help="KV cache dtype (auto: fp32 on CPU, the compute dtype on CUDA); int8 holds "
-            "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends)."
+            "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends); fp8 "
+            "(e4m3) as many (SDPA backend)."
         ),
     ] = KVCacheDtype(_ENGINE.kv_cache_dtype or "auto"),
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = _ENGINE.block_size,

@@ -21,8 +21,11 @@ class EngineOptions(BaseModel):
     max_prefill_chunk: int = Field(default=256, ge=1)
     kv_cache_memory_mb: int = Field(default=512, ge=1)
     # None ("auto" as a flag): fp32 on CPU, the compute dtype on CUDA; int8: ~3.7x the
-    # blocks of fp32 in the same memory (one fp32 scale per key/value head vector)
-    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8"] | None = None
+    # blocks of fp32 in the same memory (one fp32 scale per key/value head vector); fp8
+    # (e4m3, alias fp8_e4m3): as many blocks as int8, read by SDPA attention
+    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"] | None = (
+        None
+    )
     block_size: int = Field(default=16, ge=1)
     max_waiting_requests: int = Field(default=1024, ge=0)
     prefix_caching: bool = True

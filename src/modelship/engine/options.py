@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineOptions(BaseModel):
@@ -39,6 +39,17 @@ class EngineOptions(BaseModel):
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     speculative_by_default: bool = False
     speculative_max_batch_size: int = Field(default=2, ge=1)
+    # a draft model's folder (same tokenizer as the served model): draft-model speculation
+    # instead of prompt lookup; needs num_speculative_tokens
+    speculative_model: str | None = None
+
+    @model_validator(mode="after")
+    def _draft_needs_tokens(self) -> EngineOptions:
+        if self.speculative_model and not self.num_speculative_tokens:
+            raise ValueError(
+                "speculative_model needs num_speculative_tokens (draft tokens per step) >= 1"
+            )
+        return self
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig
@@ -69,6 +80,8 @@ class EngineOptions(BaseModel):
             num_tokens=self.num_speculative_tokens,
             by_default=self.speculative_by_default,
             max_batch_size=self.speculative_max_batch_size,
+            method="draft" if self.speculative_model else "ngram",
+            draft_model=self.speculative_model,
         )
 
     def cli_args(self) -> list[str]:
@@ -95,4 +108,6 @@ class EngineOptions(BaseModel):
             else "--no-speculative-by-default",
             "--speculative-max-batch-size", str(self.speculative_max_batch_size),
         ]  # fmt: skip
+        if self.speculative_model:
+            args += ["--speculative-model", self.speculative_model]
         return args

@@ -172,3 +172,16 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(
         LLM(tiny_llama_dir, num_kv_blocks=16, speculative=_draft_config(other))
     with pytest.raises(ValueError, match="speculative_model"):
         SpeculativeConfig(num_tokens=4, method="draft")
+
+
+def test_the_draft_model_option_needs_draft_tokens() -> None:
+    from pydantic import ValidationError
+
+    from modelship.engine.options import EngineOptions
+
+    with pytest.raises(ValidationError, match="speculative_model needs num_speculative_tokens"):
+        EngineOptions(speculative_model="/models/draft")
+    config = EngineOptions(num_speculative_tokens=3, speculative_model="/d").speculative_config()
+    assert (config.method, config.draft_model, config.num_tokens) == ("draft", "/d", 3)
+    assert "--speculative-model" in EngineOptions(num_speculative_tokens=3,
+                                                  speculative_model="/d").cli_args()  # fmt: skip

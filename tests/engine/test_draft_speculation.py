@@ -64,7 +64,7 @@ def _spec(llm: LLM) -> tuple[int, int]:
 
 def test_greedy_output_logprobs_and_stop_strings_are_those_of_plain_decoding(engines) -> None:
     plain, same, noisy = engines
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     prompts = [PROMPT, "seven six five"]
     expected = plain.generate(prompts, params)
     for llm in (same, noisy):
@@ -98,9 +98,9 @@ def test_preemption_and_rejected_drafts_give_their_blocks_back(
     """A KV cache too small for every sequence at once: sequences are preempted (the draft
     recomputes them from the start) while others verify drafts; every output equals plain
     decoding's, and after every step no running sequence holds a block past its tokens."""
-    prompts = [f"{PROMPT} {i}" for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    small = {"num_kv_blocks": 12, "block_size": 8, "max_model_len": 128}
+    prompts = [f"{PROMPT} {i}" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    small = {"num_kv_blocks": 10, "block_size": 8, "max_model_len": 128}
     plain = LLM(tiny_llama_dir, **small).generate(prompts, params)
     llm = LLM(tiny_llama_dir, **small, speculative=_draft_config(noisy_draft))
     engine = llm.engine
@@ -115,8 +115,8 @@ def test_preemption_and_rejected_drafts_give_their_blocks_back(
     drafted, accepted = _spec(llm)
     assert engine.stats().num_preemptions > 0
     assert 0 < accepted < drafted  # drafts were both kept and rejected
-    assert [tokens[f"r{i}"] for i in range(5)] == [o.outputs[0].token_ids for o in plain]
-    assert engine.block_manager.num_free_blocks == 12  # every slot given back
+    assert [tokens[f"r{i}"] for i in range(4)] == [o.outputs[0].token_ids for o in plain]
+    assert engine.block_manager.num_free_blocks == 10  # every slot given back
     engine.block_manager.check_integrity()
 
 
@@ -127,7 +127,7 @@ def test_sampled_output_has_the_distribution_of_plain_sampling(engines) -> None:
     test, p < 1e-4). The repeated prompt also takes prefix-cache hits the draft must
     recompute. A verifier that keeps every draft, or samples rejections from p, fails."""
     plain, same, noisy = engines
-    num_draws, length = 300, 6
+    num_draws, length = 240, 5
 
     def draws(llm: LLM) -> list[list[int]]:
         params = [

@@ -75,12 +75,23 @@ class DraftModel:
         device: torch.device,
         dtype: str | None,
         max_model_len: int,
+        int4_kernel: str = "auto",
+        lm_head: str = "auto",
+        fused_decoder: bool = True,
     ) -> None:
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise DraftModelError(f"speculative model {self.path}: no config.json there")
         check_same_tokenizer(self.path, target_path, target_tokenizer)
-        self.model = load_model(self.path, device=device, dtype=dtype, max_positions=max_model_len)
+        self.model = load_model(  # the target's loader and switches: any checkpoint it loads
+            self.path,
+            device=device,
+            dtype=dtype,
+            max_positions=max_model_len,
+            int4_kernel=int4_kernel,
+            lm_head=lm_head,
+            fused_decoder=fused_decoder,
+        )
         self.kv_caches = allocate_kv_cache(
             self.model.config, num_blocks, block_size, cache_dtype, device
         )

@@ -140,6 +140,9 @@ class LLMEngine:
                 device=device,
                 dtype=self.config.dtype,
                 max_model_len=self.max_model_len,
+                int4_kernel=self.config.int4_kernel,
+                lm_head=self.config.lm_head,
+                fused_decoder=self.config.fused_decoder,
             )
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(self.config.seed)

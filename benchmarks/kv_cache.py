@@ -1,17 +1,19 @@
-"""The int8 KV cache against fp32 at an equal memory budget: capacity, speed, quality.
+"""The int8 and fp8 KV caches against fp32 at an equal memory budget: capacity, speed, quality.
 
     .venv/bin/python benchmarks/kv_cache.py [--model DIR] [--kv-cache-memory-mb 64]
         [--concurrency 16] [--max-tokens 64] [--passages 6] [--out FILE]
 
-For each KV cache dtype (float32, int8), one engine with the same `kv_cache_memory_bytes`:
+For each KV cache dtype (float32, int8, fp8 e4m3), one engine with the same `kv_cache_memory_bytes`:
 - blocks: the pool's size, and how many 256-token sequences fit in it at once;
 - decode tok/s at c=16: 16 greedy requests (64 output tokens each, ignore_eos) added
   together; tokens after every request has its first one, over the time they took (the
   prefills are left out). Preemptions are counted: a pool too small for the batch
   recomputes sequences, which is part of what a bigger pool buys;
-- quality (int8 only, against fp32): paragraphs of docs/architecture.md scored
-  teacher-forced with `engine.score()`; the share of positions whose top-1 next token
-  agrees, and the mean |log p(actual next token)| difference.
+- quality: paragraphs of docs/architecture.md scored teacher-forced with `engine.score()`;
+  each cache's perplexity, and (int8, fp8 against fp32) the share of positions whose top-1
+  next token agrees and the mean |log p(actual next token)| difference.
+The fp8 cache runs on SDPA attention (the CPU kernel has no fp8 path), fp32 and int8 on the
+CPU kernel where it builds: the tok/s column compares the attention paths too.
 Prints a table, writes JSON with --out. The machine is shared: compare runs side by side.
 """
 
@@ -28,6 +30,7 @@ from modelship.engine import EngineConfig, LLMEngine, SamplingParams
 from texts import architecture_paragraphs
 
 ROOT = Path(__file__).resolve().parent.parent
+DTYPES = ("float32", "int8", "fp8")
 SEQUENCE_TOKENS = 256  # the sequence length "blocks" is counted in
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -95,7 +98,7 @@ def main() -> None:
         model = acquire("demo", Storage(args.storage)).path
     texts = passages(args.passages)
     rows, scores = {}, {}
-    for dtype in ("float32", "int8"):
+    for dtype in DTYPES:
         config = EngineConfig(
             kv_cache_dtype=dtype, kv_cache_memory_bytes=args.kv_cache_memory_mb * 1024**2
         )
@@ -103,42 +106,50 @@ def main() -> None:
         num_blocks = engine.block_manager.num_blocks
         decode_speed(engine, 2, 4)  # warm-up
         rows[dtype] = {
+            "attention": engine.runner.attention_backend,
             "blocks": num_blocks,
             "max_sequences": num_blocks // -(-SEQUENCE_TOKENS // config.block_size),
             **decode_speed(engine, args.concurrency, args.max_tokens),
         }
         scores[dtype] = score(engine, texts)
         del engine
-    agree, diffs = [], []
-    for (top_ref, lp_ref), (top, lp) in zip(scores["float32"], scores["int8"], strict=True):
-        agree.append((top == top_ref).float())
-        diffs.append((lp - lp_ref).abs())
-    agree_all, diffs_all = torch.cat(agree), torch.cat(diffs)
-    rows["int8"]["top1_agreement"] = round(agree_all.mean().item(), 4)
-    rows["int8"]["mean_abs_logprob_diff"] = round(diffs_all.mean().item(), 5)
-    rows["int8"]["max_abs_logprob_diff"] = round(diffs_all.max().item(), 4)
+    for dtype in DTYPES:
+        logprobs = torch.cat([lp for _, lp in scores[dtype]])
+        rows[dtype]["perplexity"] = round(logprobs.mean().neg().exp().item(), 3)
+        if dtype == "float32":
+            continue
+        agree, diffs = [], []
+        for (top_ref, lp_ref), (top, lp) in zip(scores["float32"], scores[dtype], strict=True):
+            agree.append((top == top_ref).float())
+            diffs.append((lp - lp_ref).abs())
+        agree_all, diffs_all = torch.cat(agree), torch.cat(diffs)
+        rows[dtype]["top1_agreement"] = round(agree_all.mean().item(), 4)
+        rows[dtype]["mean_abs_logprob_diff"] = round(diffs_all.mean().item(), 5)
+        rows[dtype]["max_abs_logprob_diff"] = round(diffs_all.max().item(), 4)
 
     print(
         f"KV cache {args.kv_cache_memory_mb} MiB, c={args.concurrency} x {args.max_tokens} "
-        f"tokens, {len(texts)} passages ({agree_all.numel()} scored tokens)"
+        f"tokens, {len(texts)} passages ({sum(len(lp) for _, lp in scores['float32'])} "
+        "scored tokens)"
     )
     print(
-        f"{'kv dtype':<9}{'blocks':>8}{'seqs@256':>10}{'tok/s':>8}{'preempt':>9}"
-        f"{'top-1 agree':>13}{'mean |dlogp|':>14}"
+        f"{'kv dtype':<9}{'attention':>10}{'blocks':>8}{'seqs@256':>10}{'tok/s':>8}"
+        f"{'preempt':>9}{'ppl':>8}{'top-1 agree':>13}{'mean |dlogp|':>14}"
     )
     for dtype, row in rows.items():
         quality = (
             f"{row['top1_agreement']:>13.4f}{row['mean_abs_logprob_diff']:>14.5f}"
-            if dtype == "int8"
+            if dtype != "float32"
             else f"{'(reference)':>13}{'':>14}"
         )
         print(
-            f"{dtype:<9}{row['blocks']:>8}{row['max_sequences']:>10}{row['decode_tok_s']:>8.1f}"
-            f"{row['preemptions']:>9}{quality}"
+            f"{dtype:<9}{row['attention']:>10}{row['blocks']:>8}{row['max_sequences']:>10}"
+            f"{row['decode_tok_s']:>8.1f}{row['preemptions']:>9}{row['perplexity']:>8.3f}{quality}"
         )
-    ratio = rows["int8"]["blocks"] / rows["float32"]["blocks"]
-    speed = rows["int8"]["decode_tok_s"] / rows["float32"]["decode_tok_s"]
-    print(f"int8 / fp32: {ratio:.2f}x blocks, {speed:.2f}x decode tok/s")
+    for dtype in DTYPES[1:]:
+        ratio = rows[dtype]["blocks"] / rows["float32"]["blocks"]
+        speed = rows[dtype]["decode_tok_s"] / rows["float32"]["decode_tok_s"]
+        print(f"{dtype} / fp32: {ratio:.2f}x blocks, {speed:.2f}x decode tok/s")
     if args.out:
         args.out.write_text(json.dumps({"model": str(model), "kv_cache_memory_mb":
                                         args.kv_cache_memory_mb, "concurrency": args.concurrency,

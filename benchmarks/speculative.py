@@ -1,7 +1,13 @@
-"""Speculative decoding (prompt lookup) on and off, on two workloads, at two concurrencies.
+"""Speculative decoding (prompt lookup, and a draft model) on and off, on two workloads, at
+two concurrencies.
 
     .venv/bin/python benchmarks/speculative.py [--model DIR] [--num-tokens 4]
-        [--concurrency 1 8] [--requests 8] [--max-tokens 128] [--out FILE]
+        [--concurrency 1 8] [--requests 8] [--max-tokens 128] [--draft-model DIR]
+        [--out FILE]
+
+With --draft-model (e.g. one made by benchmarks/make_draft.py: the demo model's first
+layers), a second engine speculates with it and its rows ("draft") join prompt lookup's
+("ngram") against the same plain runs ("off").
 
 Workloads, each through the demo model's chat template:
 - grounded: "repeat this text" over paragraphs of docs/architecture.md (the answer quotes
@@ -101,6 +107,7 @@ def main() -> None:
         default=SpeculativeConfig(1).max_batch_size,
         help="no drafts in steps with more running sequences (the serve default)",
     )
+    parser.add_argument("--draft-model", type=Path, help="also speculate with this draft model")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model = args.model
@@ -109,17 +116,22 @@ def main() -> None:
         from modelship.storage import Storage
 
         model = acquire("demo", Storage(args.storage)).path
-    config = EngineConfig(
-        speculative=SpeculativeConfig(
-            num_tokens=args.num_tokens, max_batch_size=max(args.concurrency)
+    engines = {}
+    for method in ("ngram", "draft") if args.draft_model else ("ngram",):
+        speculative = SpeculativeConfig(
+            num_tokens=args.num_tokens,
+            max_batch_size=max(args.concurrency),  # as before: speculate at every c
+            method=method,
+            draft_model=str(args.draft_model) if method == "draft" else None,
         )
-    )
-    engine = LLMEngine(model, config)
+        engines[method] = LLMEngine(model, EngineConfig(speculative=speculative))
+    engine = engines["ngram"]
     workloads = {
         "grounded": grounded_prompts(args.requests),
         "open": [OPEN_QUESTIONS[i % len(OPEN_QUESTIONS)] for i in range(args.requests)],
     }
-    run(engine, workloads["open"][:1], 1, 8, False)  # warm-up
+    for each in engines.values():
+        run(each, workloads["open"][:1], 1, 8, True)  # warm-up
     results = []
     header = (
         f"{'workload':<9}{'c':>3}{'spec':>6}{'tok/s':>9}{'TPOT ms':>9}{'accept':>8}{'speed-up':>10}"
@@ -128,20 +140,25 @@ def main() -> None:
     for name, prompts in workloads.items():
         for concurrency in args.concurrency:
             off = run(engine, prompts, concurrency, args.max_tokens, False)
-            on = run(engine, prompts, concurrency, args.max_tokens, True)
-            speedup = round(on["tok_s"] / off["tok_s"], 2)
-            for label, row in (("off", off), ("on", on)):
+            result = {"workload": name, "concurrency": concurrency, "off": off}
+            rows = [("off", off)]
+            for method, each in engines.items():
+                result[method] = run(each, prompts, concurrency, args.max_tokens, True)
+                result[f"{method}_speedup"] = round(result[method]["tok_s"] / off["tok_s"], 2)
+                rows.append((method, result[method]))
+            for label, row in rows:
                 rate = row["acceptance_rate"]
+                speedup = result.get(f"{label}_speedup")
                 print(
                     f"{name:<9}{concurrency:>3}{label:>6}{row['tok_s']:>9.1f}{row['tpot_ms']:>9.1f}"
                     f"{'' if rate is None else f'{rate:.2f}':>8}"
-                    f"{f'{speedup:.2f}x' if label == 'on' else '':>10}"
+                    f"{'' if speedup is None else f'{speedup:.2f}x':>10}"
                 )
-            results.append({"workload": name, "concurrency": concurrency, "off": off, "on": on,
-                             "speedup": speedup})  # fmt: skip
+            results.append(result)
     if args.out:
         args.out.write_text(json.dumps({"model": str(model), "num_tokens": args.num_tokens,
                                         "max_batch_size": args.max_batch_size,
+                                        "draft_model": args.draft_model and str(args.draft_model),
                                         "results": results}, indent=2))  # fmt: skip
 
 

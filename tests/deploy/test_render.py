@@ -394,3 +394,20 @@ def test_workflow_without_deploy_step_for_helm_or_gitops(schema_dir: Path) -> No
     role = one(rendered.objects, "Role")
     assert [rule["resources"] for rule in role["rules"]] == [["workflowtaskresults"]]
     assert validate_objects(rendered.objects, schema_dir) == []
+
+
+def test_a_draft_model_renders_for_both_engines() -> None:
+    for gpu in ("vllm", "cpu"):
+        config = config_for("deployment", gpu=gpu)
+        engine = config.serve.engine.model_copy(
+            update={"num_speculative_tokens": 4, "speculative_model": "/data/models/draft"}
+        )
+        serve = config.serve.model_copy(update={"engine": engine})
+        _, container = engine_pod(render(config.model_copy(update={"serve": serve})).objects,
+                                  "deployment")  # fmt: skip
+        args = container["args"]
+        if gpu == "vllm":
+            spec = json.loads(args[args.index("--speculative-config") + 1])
+            assert spec == {"model": "/data/models/draft", "num_speculative_tokens": 4}
+        else:
+            assert args[args.index("--speculative-model") + 1] == "/data/models/draft"

@@ -22,6 +22,8 @@ class KVCacheDtype(StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     int8 = "int8"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
 
 
 class EngineCorePlacement(StrEnum):
@@ -71,7 +73,8 @@ def serve(
         KVCacheDtype,
         typer.Option(
             help="KV cache dtype (auto: fp32 on CPU, the compute dtype on CUDA); int8 holds "
-            "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends)."
+            "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends); fp8 "
+            "(e4m3) as many (SDPA backend)."
         ),
     ] = KVCacheDtype(_ENGINE.kv_cache_dtype or "auto"),
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = _ENGINE.block_size,
@@ -90,10 +93,18 @@ def serve(
     num_speculative_tokens: Annotated[
         int,
         typer.Option(
-            help="Prompt-lookup speculative decoding: draft tokens verified per step (0: "
-            'off). Requests opt in with "speculative": true; same output either way.'
+            help="Speculative decoding (prompt lookup, or --speculative-model): draft tokens "
+            'verified per step (0: off). Requests opt in with "speculative": true; the same '
+            "output distribution either way."
         ),
     ] = _ENGINE.num_speculative_tokens,
+    speculative_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Draft model folder (a smaller model of the same tokenizer) for speculative "
+            "decoding; needs --num-speculative-tokens. Without it: prompt lookup."
+        ),
+    ] = _ENGINE.speculative_model,
     speculative_by_default: Annotated[
         bool, typer.Option(help='Speculate for requests that do not say ("speculative").')
     ] = _ENGINE.speculative_by_default,
@@ -150,6 +161,8 @@ def serve(
     )
     try:
         validate_model_folder(model_dir)
+        if speculative_model:
+            validate_model_folder(Path(speculative_model))
         limits = RequestLimitsConfig(max_n, max_stop, max_stop_chars, max_prompts, max_body_mb)
         options = EngineOptions(
             device=device,
@@ -166,6 +179,7 @@ def serve(
             cuda_graphs=cuda_graphs,
             cuda_graph_max_batch_size=cuda_graph_max_batch_size,
             num_speculative_tokens=num_speculative_tokens,
+            speculative_model=speculative_model,
             speculative_by_default=speculative_by_default,
             speculative_max_batch_size=speculative_max_batch_size,
         )

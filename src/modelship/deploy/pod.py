@@ -147,7 +147,11 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         flags += ["--dtype", engine.dtype]
     if not engine.cuda_graphs:
         flags += ["--enforce-eager"]
-    if engine.num_speculative_tokens:  # vLLM's prompt lookup (it speculates for all)
+    if engine.speculative_model:  # vLLM's draft-model speculation (it speculates for all)
+        spec = {"model": engine.speculative_model,
+                "num_speculative_tokens": engine.num_speculative_tokens}  # fmt: skip
+        flags += ["--speculative-config", json.dumps(spec)]
+    elif engine.num_speculative_tokens:  # vLLM's prompt lookup (it speculates for all)
         spec = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens,
                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
         flags += ["--speculative-config", json.dumps(spec)]

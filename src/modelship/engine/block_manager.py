@@ -163,6 +163,18 @@ class BlockManager:
                 block.token_ids = tokens
                 self.hash_to_block[block_hash] = block.block_id
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks of `seq` past the first `num_tokens` tokens' (the slots of
+        rejected speculative drafts). Such blocks hold no computed full block: never hashed."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.hash is None, "trimmed a cached block"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first; cached ones stay reusable until evicted."""
         for block_id in reversed(seq.block_table):

@@ -27,6 +27,9 @@ class EngineConfig:
     for decode) and the compute dtype on CUDA. "int8" stores each key and value head vector
     as int8 with one fp32 scale (`model.kv_cache`): ~3.7x the blocks of fp32 in the same
     memory at head_dim 64, read by the CPU kernel and SDPA (not by the Triton kernel).
+    "fp8" (alias "fp8_e4m3") stores them as float8_e4m3fn with the same per-vector fp32
+    scale (absmax / 448): as many blocks as int8, finer steps near zero, coarser near the
+    absmax; read by SDPA only ("auto" attention picks it for an fp8 cache).
     """
 
     device: str = "cpu"
@@ -124,4 +127,9 @@ class EngineConfig:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8}
+_KV_CACHE_DTYPES = {
+    **_DTYPES,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}

@@ -24,6 +24,7 @@ from modelship.engine.cuda_graphs import (
     graph_capture_error,
 )
 from modelship.engine.detokenizer import IncrementalDetokenizer
+from modelship.engine.draft import DraftModel
 from modelship.engine.faults import FaultInjection
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
@@ -125,6 +126,24 @@ class LLMEngine:
         self._faults = FaultInjection.from_env()  # drills only
         speculative = self.config.speculative
         self._speculation = SpeculationTracker(speculative) if speculative else None
+        self._draft: DraftModel | None = None
+        if speculative is not None and speculative.method == "draft":
+            assert speculative.draft_model is not None
+            self._draft = DraftModel(
+                speculative.draft_model,
+                self.model_path,
+                self.tokenizer,
+                num_blocks=num_blocks + num_scratch_blocks,
+                block_size=block_size,
+                cache_dtype=cache_dtype,
+                attention_backend=self.config.attention_backend,
+                device=device,
+                dtype=self.config.dtype,
+                max_model_len=self.max_model_len,
+                int4_kernel=self.config.int4_kernel,
+                lm_head=self.config.lm_head,
+                fused_decoder=self.config.fused_decoder,
+            )
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(self.config.seed)
         logger.info(
@@ -286,6 +305,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        if self._draft is not None:  # the slots are reserved: the draft fills them in
+            self._draft.propose([scheduled.seq for scheduled in plan.scheduled], self._generators)
         output = self.runner.execute(plan, self._generators)
         sampled: dict[str, list[int]] = {}
         broken: list[Sequence] = []  # their model logits were NaN/inf: they fail alone
@@ -301,6 +322,10 @@ class LLMEngine:
                 if seq.draft_token_ids:
                     samples = accepted_prefix(seq.draft_token_ids, samples)
                     self._speculation.record(seq.seq_id, len(seq.draft_token_ids), len(samples) - 1)
+                    # the draft's KV holds the drafts: valid up to the last accepted one
+                    seq.num_draft_computed_tokens = min(
+                        seq.num_draft_computed_tokens, seq.num_tokens + len(samples) - 1
+                    )
                 sampled[seq.seq_id] = samples
         num_tokens_before = [seq.num_tokens for seq in output.sampled_seqs]
         self.scheduler.update_from_output(plan, sampled)
@@ -326,7 +351,9 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Prompt-lookup drafts for the decoding sequences that speculate (see
-        `engine.speculative`); none in steps with more than `max_batch_size` running."""
+        `engine.speculative`); none in steps with more than `max_batch_size` running. With a
+        draft model, placeholders: the scheduler reserves their slots, then the draft model
+        writes the tokens (`engine.draft`)."""
         speculation = self._speculation
         running = self.scheduler.running
         if speculation is None or len(running) > speculation.config.max_batch_size:
@@ -341,7 +368,10 @@ class LLMEngine:
             room = self.max_model_len - seq.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-            seq.draft_token_ids = speculation.propose(seq, room)
+            if self._draft is not None:
+                seq.draft_token_ids = [0] * max(0, min(speculation.config.num_tokens, room))
+            else:
+                seq.draft_token_ids = speculation.propose(seq, room)
 
     def _fail(self, seq: Sequence, exc: Exception) -> list[SequenceDelta]:
         """End the request of `seq` with an error: its sequences are aborted (blocks

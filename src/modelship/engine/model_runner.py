@@ -13,6 +13,7 @@ from modelship.engine.outputs import TokenLogprob
 from modelship.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from modelship.engine.scheduler import SchedulerOutput
 from modelship.engine.sequence import Sequence
+from modelship.engine.speculative import DraftCheck, verify_draft_probs
 from modelship.model.attention import AttentionMetadata
 from modelship.model.kv_cache import KVCache
 from modelship.model.registry import CausalLM
@@ -136,7 +137,18 @@ class ModelRunner:
         )
         row_starts = list(accumulate((1 + len(seq.draft_token_ids) for seq in sampled_seqs),
                                      initial=0))  # fmt: skip
-        return RunnerOutput(sampled_seqs, sample(logits, metadata), prompt_logprobs, row_starts)
+        # Drafts that come with a draft model's probabilities: the speculative-sampling rule
+        checks = [
+            DraftCheck(start, seq.draft_token_ids, seq.draft_probs, generators.get(seq.seq_id))
+            for seq, start in zip(sampled_seqs, row_starts, strict=False)
+            if seq.draft_probs is not None and seq.draft_token_ids and not seq.params.is_greedy
+        ]
+
+        def verify(_, scaled, token_ids) -> None:
+            verify_draft_probs(scaled, token_ids, checks)
+
+        output = sample(logits, metadata, verify if checks else None)
+        return RunnerOutput(sampled_seqs, output, prompt_logprobs, row_starts)
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineOptions(BaseModel):
@@ -21,8 +21,11 @@ class EngineOptions(BaseModel):
     max_prefill_chunk: int = Field(default=256, ge=1)
     kv_cache_memory_mb: int = Field(default=512, ge=1)
     # None ("auto" as a flag): fp32 on CPU, the compute dtype on CUDA; int8: ~3.7x the
-    # blocks of fp32 in the same memory (one fp32 scale per key/value head vector)
-    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8"] | None = None
+    # blocks of fp32 in the same memory (one fp32 scale per key/value head vector); fp8
+    # (e4m3, alias fp8_e4m3): as many blocks as int8, read by SDPA attention
+    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"] | None = (
+        None
+    )
     block_size: int = Field(default=16, ge=1)
     max_waiting_requests: int = Field(default=1024, ge=0)
     prefix_caching: bool = True
@@ -36,6 +39,17 @@ class EngineOptions(BaseModel):
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     speculative_by_default: bool = False
     speculative_max_batch_size: int = Field(default=2, ge=1)
+    # a draft model's folder (same tokenizer as the served model): draft-model speculation
+    # instead of prompt lookup; needs num_speculative_tokens
+    speculative_model: str | None = None
+
+    @model_validator(mode="after")
+    def _draft_needs_tokens(self) -> EngineOptions:
+        if self.speculative_model and not self.num_speculative_tokens:
+            raise ValueError(
+                "speculative_model needs num_speculative_tokens (draft tokens per step) >= 1"
+            )
+        return self
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig
@@ -66,6 +80,8 @@ class EngineOptions(BaseModel):
             num_tokens=self.num_speculative_tokens,
             by_default=self.speculative_by_default,
             max_batch_size=self.speculative_max_batch_size,
+            method="draft" if self.speculative_model else "ngram",
+            draft_model=self.speculative_model,
         )
 
     def cli_args(self) -> list[str]:
@@ -92,4 +108,6 @@ class EngineOptions(BaseModel):
             else "--no-speculative-by-default",
             "--speculative-max-batch-size", str(self.speculative_max_batch_size),
         ]  # fmt: skip
+        if self.speculative_model:
+            args += ["--speculative-model", self.speculative_model]
         return args

@@ -15,6 +15,7 @@ of garbage); the engine fails those requests alone with `NonFiniteLogitsError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -167,8 +168,39 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of `logits` ([batch, vocab], float32)."""
+def process_logits(
+    logits: torch.Tensor, m: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(penalized logits, scaled): the penalized logits are what greedy rows take the argmax
+    of and logprobs are reported from; `scaled` (None when every row is greedy) holds the
+    logits random rows draw from, softmax(scaled) being a row's final sampling
+    distribution (temperature, top-k, top-p, min-p applied). Speculative verification
+    reads the same two (`engine.speculative`)."""
+    if m.needs_penalties:
+        # An extreme repetition penalty (1e-300, 1e308) overflows a logit to +-inf, and the
+        # row's softmax to NaN: keep every penalized logit finite.
+        limit = torch.finfo(logits.dtype).max
+        logits = apply_penalties(logits, m).clamp_(-limit, limit)
+    if m.all_greedy:
+        return logits, None
+    scaled = logits / m.temperature.unsqueeze(1)
+    if m.needs_top_k:
+        scaled = apply_top_k(scaled, m.top_k)
+    if m.needs_top_p:
+        scaled = apply_top_p(scaled, m.top_p)
+    if m.needs_min_p:
+        scaled = apply_min_p(scaled, m.min_p)
+    return logits, scaled
+
+
+def sample(
+    logits: torch.Tensor,
+    m: SamplingMetadata,
+    verify: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], None] | None = None,
+) -> SamplerOutput:
+    """Sample one token per row of `logits` ([batch, vocab], float32). `verify(penalized,
+    scaled, token_ids)` (speculative sampling with a draft model's probabilities) may
+    replace tokens in `token_ids` before logprobs are taken of them."""
     # The model's own logits: the largest is finite iff the row has no NaN (amax propagates
     # it), no +inf and is not all -inf. Checked before the request's parameters touch
     # them, so only a broken model raises, never a client's extreme penalty. [batch]
@@ -176,30 +208,21 @@ def sample(logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
     nonfinite_rows = broken.nonzero().flatten().tolist() if broken.any() else []
     if nonfinite_rows:  # sample the others; these rows' tokens are never used
         logits = logits.masked_fill(broken.unsqueeze(1), 0.0)
-    if m.needs_penalties:
-        # An extreme repetition penalty (1e-300, 1e308) overflows a logit to +-inf, and the
-        # row's softmax to NaN: keep every penalized logit finite.
-        limit = torch.finfo(logits.dtype).max
-        logits = apply_penalties(logits, m).clamp_(-limit, limit)
+    logits, scaled = process_logits(logits, m)
     logprobs = top_ids = top_values = None
     greedy_tokens = logits.argmax(dim=-1)
     if m.max_num_logprobs >= 0:
         all_logprobs = logits.log_softmax(dim=-1)
-    if m.all_greedy:
+    if scaled is None:
         token_ids = greedy_tokens
     else:
-        scaled = logits / m.temperature.unsqueeze(1)
-        if m.needs_top_k:
-            scaled = apply_top_k(scaled, m.top_k)
-        if m.needs_top_p:
-            scaled = apply_top_p(scaled, m.top_p)
-        if m.needs_min_p:
-            scaled = apply_min_p(scaled, m.min_p)
         random_rows = [i for i, g in enumerate(m.greedy) if not g]
         rows = torch.tensor(random_rows, device=logits.device)
         drawn = random_sample(scaled[rows].softmax(dim=-1), [m.generators[i] for i in random_rows])
         token_ids = greedy_tokens.clone()
         token_ids[rows] = drawn
+    if verify is not None:
+        verify(logits, scaled, token_ids)
     if m.max_num_logprobs >= 0:
         logprobs = all_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         if m.max_num_logprobs > 0:

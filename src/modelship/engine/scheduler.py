@@ -228,7 +228,9 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.draft_token_ids = []
+        seq.draft_probs = None
         seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0  # its blocks are gone: the draft's KV too
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
@@ -242,12 +244,14 @@ class Scheduler:
         A sequence's sampled tokens are one, or with drafts (speculative decoding) the
         accepted drafts and the token after them: its computed tokens advance over the
         accepted ones only (the rejected drafts' KV slots are written again later), and
-        its tokens stop at the first that finishes it."""
+        its tokens stop at the first that finishes it. Blocks reserved for rejected drafts
+        go back to the pool (`BlockManager.trim`)."""
         finished = []
         for scheduled in plan.scheduled:
             seq = scheduled.seq
             num_drafts = len(seq.draft_token_ids)
             seq.draft_token_ids = []
+            seq.draft_probs = None
             if seq.is_finished:  # aborted while its step ran
                 continue
             token_ids = sampled.get(seq.seq_id) or []
@@ -264,6 +268,8 @@ class Scheduler:
                     break
             seq.num_computed_tokens = min(computed, seq.num_tokens)
             self.block_manager.cache_full_blocks(seq)
+            if num_rejected and reason is None:
+                self.block_manager.trim(seq, seq.num_tokens)
             if reason is not None:
                 self.finish(seq.seq_id, reason)
                 finished.append(seq)

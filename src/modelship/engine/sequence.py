@@ -53,6 +53,11 @@ class Sequence:
         # speculative tokens proposed for the next step (verified, never part of token_ids
         # until accepted); the scheduler runs them after the last token
         self.draft_token_ids: list[int] = []
+        # draft-model speculation (`engine.draft`): the draft's probabilities of those
+        # drafts ([len(drafts), vocab] tensor; None for prompt lookup and greedy requests),
+        # and how many leading tokens have their KV in the draft's cache (0 after preemption)
+        self.draft_probs = None
+        self.num_draft_computed_tokens = 0
 
     def __repr__(self) -> str:
         return (

@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup: drafts from the sequence's own tokens, verified by
-the target model in one step.
+"""Speculative decoding: drafts by prompt lookup (the sequence's own tokens) or from a
+smaller draft model (`engine.draft`), verified by the target model in one step.
 
 Drafting (no second model): find the latest earlier occurrence of the sequence's last n
 tokens (n from `max_ngram` down to `min_ngram`) and propose the k tokens that followed it.
@@ -15,6 +15,13 @@ tokens of plain decoding. So the engine samples every verified row as it samples
 (penalties see the drafts before the row as output), keeps the longest prefix of drafts
 that match the samples, and emits the sample after it: 1 to k + 1 tokens per step.
 
+A draft model's drafts come with its probabilities q (the draft's distribution under the
+request's own processing: penalties, temperature, top-k/top-p/min-p). Sampled rows then
+take the full rule (`verify_draft_probs`): accept d with probability min(1, p(d) / q(d)),
+on rejection emit a draw from normalize(max(0, p - q)), and when all k are accepted the
+bonus token is the row's own draw from p. Greedy rows keep the rule above (accept iff
+argmax p == d): tokens identical to plain decoding.
+
 Drafting costs a step k more rows; a sequence whose drafts keep being rejected stops
 drafting (`SpeculationTracker`), so open-ended text is not slowed by it.
 """
@@ -22,8 +29,10 @@ drafting (`SpeculationTracker`), so open-ended text is not slowed by it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+import torch
 
 from modelship.engine.sequence import Sequence
 
@@ -40,10 +49,17 @@ class SpeculativeConfig:
     max_ngram: int = 3
     by_default: bool = False  # requests that do not say speculate iff this
     max_batch_size: int = 2  # no drafting in steps with more running sequences (CPU: see docs)
+    # "ngram": prompt lookup; "draft": a smaller model of the same tokenizer at `draft_model`
+    method: Literal["ngram", "draft"] = "ngram"
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative_model (the draft model's path) goes with method 'draft'")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
 
@@ -78,6 +94,45 @@ def accepted_prefix(drafts: list[int], samples: list[int]) -> list[int]:
             return emitted
     emitted.append(samples[len(drafts)])
     return emitted
+
+
+@dataclass
+class DraftCheck:
+    """One sampled sequence's drafts with the draft model's probabilities, for
+    `verify_draft_probs`: rows `start .. start + len(drafts)` of the step (the last one is
+    the bonus row)."""
+
+    start: int
+    drafts: list[int]
+    probs: torch.Tensor  # [len(drafts), vocab] fp32: q of each draft row
+    generator: torch.Generator | None
+
+
+def verify_draft_probs(
+    scaled: torch.Tensor | None, token_ids: torch.Tensor, checks: list[DraftCheck]
+) -> None:
+    """Speculative sampling for sampled rows with draft probabilities: rewrites
+    `token_ids` [rows] so that row `start + i` holds draft i where it is accepted (drawn
+    with probability min(1, p/q)) and, at the first rejection, a draw from
+    normalize(max(0, p - q)) instead (never equal to the draft, so `accepted_prefix` stops
+    there). A sequence whose drafts are all accepted keeps its bonus row's draw from p.
+    p = softmax(`scaled`), the rows' final sampling distribution (`sampler.process_logits`)."""
+    if scaled is None or not checks:
+        return
+    for check in checks:
+        num_drafts = len(check.drafts)
+        p = scaled[check.start : check.start + num_drafts].float().softmax(dim=-1)
+        q = check.probs[:num_drafts].to(p.device)
+        uniform = torch.rand(num_drafts, generator=check.generator, device=p.device)
+        for i, draft in enumerate(check.drafts):
+            if uniform[i] * q[i, draft] <= p[i, draft]:  # accept: u <= p(d) / q(d)
+                token_ids[check.start + i] = draft
+                continue
+            residual = (p[i] - q[i]).clamp_(min=0)
+            if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0
+                residual = p[i]
+            token_ids[check.start + i] = torch.multinomial(residual, 1, generator=check.generator)
+            break
 
 
 class SpeculationTracker:

@@ -15,7 +15,7 @@ in a CUDA graph and replayed for any context lengths. Elsewhere, SDPA:
 Measured on a 2-core CPU: fp32 `scaled_dot_product_attention(..., enable_gqa=True)` is fast
 and exact for decode, bf16 SDPA is several times slower, and repeating KV heads costs more
 than it saves. So attention runs in the KV cache's dtype (fp32 on CPU by default; an int8
-cache is dequantized to fp32 as it is gathered): all
+or fp8 cache is dequantized to fp32 as it is gathered): all
 decode requests (one query token) in one batched SDPA call over their gathered, padded
 contexts, and each prefill chunk in its own call with a causal mask offset by the tokens
 already computed. Everything index-like is built once per step in `AttentionMetadata.build`
@@ -181,7 +181,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Write this step's K/V into the cache at `meta.slot_mapping`, then let every query
     attend causally to its request's whole context, read through its block table."""
-    out_dtype, work_dtype = q.dtype, cache.dtype  # fp32 for an int8 cache
+    out_dtype, work_dtype = q.dtype, cache.dtype  # fp32 for an int8/fp8 cache
     kv = kv.to(work_dtype)
     cache.write(meta.slot_mapping, kv)
     if meta.backend == "triton":
@@ -244,7 +244,7 @@ def _sdpa(
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.context_slots is None and cache.scales is None:  # whole prompt: K/V at hand
             context = kv[rows]
-        elif chunk.context_slots is None:  # int8: attend to the K/V as the cache holds them
+        elif chunk.context_slots is None:  # int8/fp8: attend to K/V as the cache holds them
             context = cache.read(meta.slot_mapping[rows])
         else:
             context = cache.read(chunk.context_slots)  # [seq_len, 2, kv_heads, dim]
@@ -290,8 +290,9 @@ def resolve_attention_backend(
     backend: str, device: torch.device | str, cache_dtype: torch.dtype
 ) -> str:
     """ "auto" -> "cpu" on an AVX2 CPU with an fp32 or int8 cache (kernel built), "triton"
-    on CUDA where triton imports, else "sdpa". "triton" on a CPU only under TRITON_INTERPRET=1
-    (Triton's interpreter: slow, for tests)."""
+    on CUDA where triton imports and the cache is not quantized, else "sdpa" (an fp8 cache
+    is read by SDPA only: the CPU kernel has no fp8 path). "triton" on a CPU only under
+    TRITON_INTERPRET=1 (Triton's interpreter: slow, for tests)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(
             f"attention backend {backend!r}; supported: {', '.join(ATTENTION_BACKENDS)}"
@@ -304,7 +305,8 @@ def resolve_attention_backend(
         return "sdpa"
     if not usable:
         raise ValueError(
-            "the cpu attention backend needs a CPU device and an fp32 KV cache (or an int8 one)"
+            "the cpu attention backend needs a CPU device and an fp32 KV cache (or an int8 "
+            f"one), got {cache_dtype}; an fp8 cache runs on the sdpa backend"
         )
     if not cpu_kernels.load():
         if backend == "cpu":
@@ -329,7 +331,8 @@ def _resolve_triton(backend: str, device_type: str, cache_dtype: torch.dtype) ->
             return "sdpa"
         raise ValueError(
             f"the triton attention backend has no {cache_dtype} KV cache "
-            "(float32, bfloat16, float16; an int8 cache runs on the cpu or sdpa backend)"
+            "(float32, bfloat16, float16; an int8 cache runs on the cpu or sdpa backend, "
+            "an fp8 one on sdpa)"
         )
     if device_type == "cuda":
         return "triton"

@@ -15,7 +15,11 @@ from typing import Any
 from opentelemetry import trace
 
 # LogRecord's own attributes: everything else on a record came in `extra`.
-_RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+_RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's ANSI-colored copy of the message
+}
 
 
 class JsonFormatter(logging.Formatter):

@@ -103,12 +103,13 @@ def gateway(workdir: Path, name: str, upstream: str, tracing: dict | None) -> tu
 
 
 def tracing_work_us(tracing: Tracing, num_requests: int) -> float:
-    """Mean microseconds of the tracing work the gateway does per request (a request span
-    continuing the client's headers, an attempt span, `traceparent` into the upstream
-    headers, both ended with their attributes), in this process: the CPU cost apart from
-    the network's noise. Spans go to a file, as in the gateway."""
+    """Mean CPU microseconds of the tracing work the gateway does per request (a request
+    span continuing the client's headers, an attempt span, `traceparent` into the upstream
+    headers, both ended with their attributes, and their export to a file), in this
+    process. CPU time, the exporting thread's included: on a shared machine wall time
+    counts other processes' turns."""
     incoming = {"content-type": "application/json", "x-request-id": "r1"}
-    started = time.perf_counter()
+    started = time.process_time()
     for _ in range(num_requests):
         parent = extract(incoming) if tracing.is_enabled else None
         request = tracing.start_span("gateway request", parent, {"request_id": "r1"},
@@ -120,8 +121,8 @@ def tracing_work_us(tracing: Tracing, num_requests: int) -> float:
             inject(attempt, headers)
         end_span(attempt, {"status": 200})
         end_span(request, {"tenant": "alpha", "release": "1", "variant": "fp16", "status": 200})
-    elapsed = time.perf_counter() - started
-    tracing.shutdown()
+    tracing.shutdown()  # the export of the last batches counted too
+    elapsed = time.process_time() - started
     return elapsed / num_requests * 1e6
 
 
@@ -209,8 +210,8 @@ def main() -> None:
     print(f"tracing adds p50 {results['added_p50_ms']:+.3f} ms, p99 "
           f"{results['added_p99_ms']:+.3f} ms ({num_spans} spans exported); target p50 <= "
           f"{TARGET_ADDED_P50_MS} ms: {'met' if results['met'] else 'MISSED'}")  # fmt: skip
-    print(f"the gateway's tracing work per request, in-process ({num_work}x): off "
-          f"{work_off:.2f} us, on {work_on:.2f} us")  # fmt: skip
+    print(f"the gateway's tracing work per request, in-process ({num_work}x), CPU time: "
+          f"off {work_off:.2f} us, on {work_on:.2f} us")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -16,6 +16,7 @@ from modelship.deploy.config import DeployConfig
 from modelship.engine.options import EngineOptions
 from modelship.fleet.config import SupervisorConfig
 from modelship.gateway.config import GatewayConfig
+from modelship.tracing import TracingConfig
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,8 @@ class ModelshipConfig(Section):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     autoscale: SupervisorConfig = Field(default_factory=SupervisorConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)  # gateway and replicas
+    log_format: Literal["text", "json"] = "text"  # json: one object per line, with trace ids
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "config") -> ModelshipConfig:

@@ -8,6 +8,7 @@ worth retrying (EX_TEMPFAIL: the Argo Workflow retries on it).
 from __future__ import annotations
 
 import logging
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -37,11 +38,22 @@ def fail(message: str, code: int = FAILURE_EXIT_CODE) -> NoReturn:
     raise typer.Exit(code)
 
 
-def setup_logging() -> None:
-    """Log lines of the long-running commands (serve, up, gateway) on stderr."""
+class LogFormat(StrEnum):
+    text = "text"
+    json = "json"
+
+
+def setup_logging(log_format: str = "text") -> None:
+    """Log lines of the long-running commands (serve, up, gateway) on stderr: text, or
+    one JSON object per line (`log_format: json`, `modelship.logs.JsonFormatter`)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if log_format == "json":
+        from modelship.logs import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
 
 
@@ -104,7 +116,7 @@ def serve_fleet(
         fleet = LocalFleet(config, storage, slug)
     except (PipelineError, StorageError) as exc:
         fail(str(exc), exit_code(exc))
-    setup_logging()
+    setup_logging(config.log_format)
     host = host or config.gateway.host
     port = port or config.gateway.port
     console.print(

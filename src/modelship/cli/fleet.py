@@ -71,6 +71,7 @@ def gateway(
     from modelship.gateway.launcher import run_gateway
     from modelship.gateway.pool import EndpointPool, static_upstreams
     from modelship.gateway.service import GatewayService
+    from modelship.tracing import Tracing
 
     config = load_config(config_path)
     stable = endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_ENDPOINTS"))
@@ -97,8 +98,10 @@ def gateway(
         api_key=config.serve.api_key or os.environ.get("MODELSHIP_API_KEY"),
         upstream_api_key=upstream_key,
         canary_weight=weight if canary else 0,
+        tracing=Tracing(config.tracing, "modelship-gateway"),
+        access_log=config.log_format == "json",
     )
-    setup_logging()
+    setup_logging(config.log_format)
     run_gateway(
         create_gateway_app(service),
         service,

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
+from modelship.cli.common import CONFIG_EXIT_CODE, LogFormat, fail, setup_logging
 from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
 
@@ -24,6 +24,13 @@ class KVCacheDtype(StrEnum):
     int8 = "int8"
     fp8 = "fp8"
     fp8_e4m3 = "fp8_e4m3"
+
+
+class TraceExporter(StrEnum):
+    none = "none"
+    console = "console"
+    file = "file"
+    otlp = "otlp"
 
 
 class EngineCorePlacement(StrEnum):
@@ -138,6 +145,32 @@ def serve(
             "(a parent process that chose the port hands it over without a race)."
         ),
     ] = None,
+    trace_exporter: Annotated[
+        TraceExporter,
+        typer.Option(help="Where spans go: none (tracing off), console, file, otlp."),
+    ] = TraceExporter.none,
+    trace_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (else "
+            "$OTEL_EXPORTER_OTLP_ENDPOINT)."
+        ),
+    ] = None,
+    trace_file: Annotated[
+        Path | None, typer.Option(help="JSON lines of spans, appended (--trace-exporter file).")
+    ] = None,
+    trace_sample_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of new traces sampled (0..1); a "
+            "traceparent decides for requests that bring one.",
+        ),
+    ] = 1.0,
+    log_format: Annotated[
+        LogFormat, typer.Option(help="text, or json: one object per line with trace ids.")
+    ] = LogFormat.text,
     engine_core: Annotated[
         EngineCorePlacement,
         typer.Option(
@@ -155,6 +188,7 @@ def serve(
     from modelship.pipeline.acquire import validate_model_folder
     from modelship.server.launcher import serve as run_server
     from modelship.server.limits import RequestLimitsConfig
+    from modelship.tracing import TracingConfig
 
     engine_process = engine_core is EngineCorePlacement.process or (
         engine_core is EngineCorePlacement.auto and (os.cpu_count() or 1) >= 4
@@ -184,13 +218,21 @@ def serve(
             speculative_max_batch_size=speculative_max_batch_size,
         )
         config = options.to_engine_config()
+        if trace_exporter is TraceExporter.file and trace_file is None:
+            fail("--trace-exporter file needs --trace-file PATH", CONFIG_EXIT_CODE)
+        tracing = TracingConfig(
+            exporter=trace_exporter.value,
+            endpoint=trace_endpoint,
+            file=trace_file,
+            sample_ratio=trace_sample_ratio,
+        )
     except ValidationError as exc:  # the message names the flag's field
         fail(format_errors(exc, "option"), CONFIG_EXIT_CODE)
     except (PipelineError, ValueError) as exc:  # not a model folder, or a bad option
         fail(str(exc), CONFIG_EXIT_CODE)
     import socket
 
-    setup_logging()
+    setup_logging(log_format.value)
     code = run_server(
         model_dir,
         host=host,
@@ -204,6 +246,7 @@ def serve(
         limits=limits,
         engine_process=engine_process,
         stall_timeout_s=stall_timeout,
+        tracing=tracing,
     )
     if code:
         raise typer.Exit(code)

@@ -33,6 +33,7 @@ from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
 from modelship.server.process import ReplicaProcess
 from modelship.storage import Storage, read_manifest
+from modelship.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class LocalFleet:
             api_key=config.serve.api_key,
             upstream_api_key=self.replica_api_key,
             fleet_snapshot=lambda: self.supervisor.snapshot(self.service),
+            tracing=Tracing(config.tracing, "modelship-gateway"),
+            access_log=config.log_format == "json",
         )
         self.service.on_canary_rollback = self._auto_rollback
         self.supervisor = Supervisor(
@@ -98,6 +101,8 @@ class LocalFleet:
             "--max-stop-chars", str(limits.max_stop_chars),
             "--max-prompts", str(limits.max_prompts),
             "--max-body-mb", str(limits.max_body_mb),
+            "--log-format", self.config.log_format,
+            *self.config.tracing.cli_args(),
         ]  # fmt: skip
         return ReplicaProcess(
             spec.model_dir,

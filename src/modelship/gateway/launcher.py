@@ -16,6 +16,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from modelship.gateway.service import GatewayService
+from modelship.logs import uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def run_gateway(
     app: Starlette, service: GatewayService, host: str, port: int, grace_period_s: float
 ) -> None:
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5
-    )
+        app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5,
+        log_config=uvicorn_log_config(),
+    )  # fmt: skip
     DrainingGateway(config, service, grace_period_s).run()

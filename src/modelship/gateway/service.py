@@ -61,8 +61,10 @@ from modelship.gateway.tenants import (
     hash_api_key,
 )
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
+from modelship.tracing import Span, SpanKind, Tracing, end_span, extract, inject
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("modelship.access")  # one line per request, if enabled
 
 _ANONYMOUS = Tenant("anonymous", TenantConfig(name="anonymous", api_key_sha256=["0" * 64]))
 _REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
@@ -87,8 +89,12 @@ class GatewayService:
         upstream_api_key: str | None = None,
         canary_weight: int = 0,
         fleet_snapshot: Callable[[], FleetSnapshot] | None = None,
+        tracing: Tracing | None = None,
+        access_log: bool = False,
     ) -> None:
         self.config = config
+        self.tracing = tracing or Tracing()  # off unless configured: spans cost nothing
+        self.access_log = access_log
         self.pool = pool
         self.registry = build_registry(config, api_key)
         self.limiter = TenantLimiter()
@@ -141,6 +147,7 @@ class GatewayService:
             self._health_task.cancel()
         if self.client is not None:
             await self.client.aclose()
+        self.tracing.shutdown()
 
     @property
     def num_held(self) -> int:
@@ -201,6 +208,12 @@ class GatewayService:
         """POST /v1/chat/completions and /v1/completions."""
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         tenant_name = "unknown"
+        span = self.tracing.start_span(
+            "gateway request",
+            extract(request.headers) if self.tracing.is_enabled else None,
+            {"request_id": request_id, "path": request.url.path},
+            kind=SpanKind.SERVER,
+        )
         try:
             tenant = self.authenticate(request)
             tenant_name = tenant.name
@@ -213,12 +226,14 @@ class GatewayService:
                 request.headers.get("x-session-id"),
                 self.config.request_limits,
             )
-            hold = self._admit(tenant, parsed)
+            hold = self._admit(tenant, parsed, request_id, span)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
+            end_span(span, {"tenant": tenant_name, "status": error.status_code})
             return error.response(request_id)
         except ClientDisconnect:  # gone before its body arrived
             self.metrics.requests.labels(tenant_name, "499", "none", "none").inc()
+            end_span(span, {"tenant": tenant_name, "status": 499})
             return Response(status_code=499)
         try:
             return await self._forward_while_connected(request, parsed, tenant, hold, request_id)
@@ -251,7 +266,7 @@ class GatewayService:
             return Response(status_code=499)  # nobody reads it
         return forward.result()
 
-    def _admit(self, tenant: Tenant, parsed: ParsedRequest) -> _Hold:
+    def _admit(self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span) -> _Hold:
         now = time.monotonic()
         limit = self.limiter.admit(
             tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now, parsed.num_sequences
@@ -277,14 +292,8 @@ class GatewayService:
             parsed.set("max_tokens", limit.max_tokens)
             parsed.max_tokens = limit.max_tokens
         parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
-        return _Hold(
-            self,
-            tenant,
-            parsed.num_sequences,
-            parsed.input_tokens,
-            time.perf_counter(),
-            model=parsed.model or "default",
-        )
+        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter(),
+                     request_id, parsed.model or "default", span)  # fmt: skip
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
@@ -417,6 +426,14 @@ class GatewayService:
             resilience.first_byte_timeout_s if parsed.stream else resilience.request_timeout_s
         )
         num_tokens = routing.num_tokens
+        hold.num_attempts += 1
+        span = self.tracing.start_span("upstream attempt", hold.span, {
+            "attempt": hold.num_attempts, "endpoint": upstream.endpoint_id,
+            "release": upstream.release, "variant": upstream.variant,
+        }, kind=SpanKind.CLIENT)  # fmt: skip
+        if self.tracing.is_enabled:  # the replica continues the trace under this attempt
+            headers = {**headers}
+            inject(span, headers)
         upstream.endpoint.add_request(num_tokens)
         # Charged if the request is abandoned while the replica generates (client gone,
         # deadline): the gateway never learns how much it produced.
@@ -438,7 +455,14 @@ class GatewayService:
             attempt = await _unless_unresponsive(send, upstream)
         except BaseException:  # cancelled (client gone, deadline): nobody's fault
             upstream.endpoint.remove_request(num_tokens)
+            end_span(span, {"status": 499})
             raise
+        failure = attempt.failure
+        if failure is None and parsed.stream and attempt.status_code == 200:
+            hold.attempt_span = span  # ended with the stream
+        else:
+            kind = str(failure.kind) if failure is not None else None
+            end_span(span, {"status": attempt.status_code, "failure": kind}, error=bool(failure))
         if attempt.failure is not None:
             hold.num_output_if_abandoned = 0
             upstream.endpoint.remove_request(num_tokens)
@@ -583,7 +607,11 @@ class _Hold:
     num_sequences: int
     input_tokens: int  # the estimate taken from the tenant's bucket at admission
     started_at: float
+    request_id: str = ""
     model: str = "default"
+    span: Span | None = None  # the gateway request span; None or invalid: not traced
+    attempt_span: Span | None = None  # a streaming attempt's, open until the stream ends
+    num_attempts: int = 0
     upstream: Upstream | None = None
     num_output_if_abandoned: int = 0  # while an attempt is generating
     ended: bool = False
@@ -622,6 +650,31 @@ class _Hold:
         metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
         if ttft_s is not None and status_code < 500:
             metrics.ttft.labels(release, variant).observe(ttft_s)
+        self._trace(status_code, release, variant, usage)
+
+    def _trace(self, status_code: int, release: str, variant: str, usage: Usage) -> None:
+        """End the request's spans; log its access line (`log_format: json`)."""
+        traced = self.span is not None and self.span.is_recording()
+        if not (traced or self.service.access_log):
+            return  # tracing off (the default): nothing to do per request
+        if self.attempt_span is not None:
+            end_span(self.attempt_span, {"status": status_code}, error=status_code >= 500)
+        fields = {
+            "request_id": self.request_id, "tenant": self.tenant.name, "model": self.model,
+            "release": release, "variant": variant, "status": status_code,
+            "priority": self.tenant.priority.name.lower(), "attempts": self.num_attempts,
+        }  # fmt: skip
+        if self.span is not None:
+            end_span(self.span, fields, error=status_code >= 500)
+        if self.service.access_log:
+            ctx = self.span.get_span_context() if self.span is not None else None
+            if ctx is not None and ctx.is_valid:
+                fields |= {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+            latency_ms = round((time.perf_counter() - self.started_at) * 1e3, 3)
+            fields |= {"latency_ms": latency_ms, "prompt_tokens": usage.prompt_tokens,
+                       "completion_tokens": usage.completion_tokens}  # fmt: skip
+            access_logger.info("%s %s %d", self.request_id, self.tenant.name, status_code,
+                               extra=fields)  # fmt: skip
 
 
 async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Upstream) -> Attempt:

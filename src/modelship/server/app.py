@@ -29,6 +29,8 @@ from modelship.server.errors import (
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
 from modelship.server.serving import OpenAIServing, sse
+from modelship.server.tracing import TracingMiddleware
+from modelship.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def create_app(
     max_model_len: int | None = None,
     limits: RequestLimitsConfig | None = None,
     stall_timeout_s: float = 120.0,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -63,7 +66,7 @@ def create_app(
     state = ServerState()
     metrics = ServerMetrics(engine.stats, model_name, variant)
     serving = OpenAIServing(
-        engine, model_name, max_model_len or engine.max_model_len, metrics, limits
+        engine, model_name, max_model_len or engine.max_model_len, metrics, limits, tracing
     )
 
     @asynccontextmanager
@@ -83,6 +86,9 @@ def create_app(
     app.add_middleware(InflightMiddleware, state=state)
     max_body_mb = (limits or RequestLimitsConfig()).max_body_mb
     app.add_middleware(BodySizeLimit, max_bytes=max_body_mb * 2**20)
+    if tracing is not None and tracing.is_enabled:  # off: not even a pass-through layer
+        app.add_middleware(TracingMiddleware, tracing=tracing, model_name=model_name,
+                           variant=variant)  # fmt: skip
 
     async def authenticate(request: Request) -> None:
         if api_key is None:

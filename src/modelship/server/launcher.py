@@ -17,8 +17,10 @@ from pathlib import Path
 import uvicorn
 
 from modelship.engine import AsyncLLMEngine, EngineConfig, EngineCoreClient
+from modelship.logs import uvicorn_log_config
 from modelship.server.app import ServerState, create_app
 from modelship.server.limits import RequestLimitsConfig
+from modelship.tracing import Tracing, TracingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ def serve(
     limits: RequestLimitsConfig | None = None,
     engine_process: bool = True,
     stall_timeout_s: float = 120.0,
+    tracing: TracingConfig | None = None,
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
     (a bound socket handed over by the parent process), listen on it instead of binding
@@ -68,6 +71,7 @@ def serve(
     engine_type = EngineCoreClient if engine_process else AsyncLLMEngine
     engine = engine_type.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
+    tracer = Tracing(tracing, "modelship-replica")
     app = create_app(
         engine,
         name,
@@ -75,6 +79,7 @@ def serve(
         api_key=api_key,
         limits=limits,
         stall_timeout_s=stall_timeout_s,
+        tracing=tracer,
     )
     config = uvicorn.Config(
         app,
@@ -83,6 +88,7 @@ def serve(
         log_level="info",
         timeout_graceful_shutdown=5,
         access_log=False,
+        log_config=uvicorn_log_config(),
     )
     if sock is not None:
         logger.info("listening on %s:%d (inherited socket)", *sock.getsockname()[:2])
@@ -93,7 +99,10 @@ def serve(
             server.should_exit = True
 
         engine.on_death = on_death
-    server.run(sockets=[sock] if sock is not None else None)
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    finally:
+        tracer.shutdown()  # export the spans still batched
     if not server.started:
         return 3  # uvicorn's code for a failed startup (the warm-up step raised)
     if isinstance(engine, EngineCoreClient) and engine.crashed:

@@ -34,6 +34,8 @@ from modelship.server.errors import (
 )
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
+from modelship.server.tracing import EngineSpans
+from modelship.tracing import Tracing
 
 
 @dataclass
@@ -55,8 +57,10 @@ class OpenAIServing:
         max_model_len: int,
         metrics: ServerMetrics,
         limits: RequestLimitsConfig | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
+        self.tracing = tracing or Tracing()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
@@ -240,10 +244,13 @@ class OpenAIServing:
         # aclosing: a client that goes away closes this generator, which closes the engine
         # stream, which aborts the request and frees its KV blocks at once.
         num_unfinished = params.n
+        spans = EngineSpans.start(self.tracing)  # None unless this request is traced
         try:
             async with aclosing(stream):
                 async for delta in stream:
                     num_unfinished -= delta.finish_reason is not None
+                    if spans is not None:
+                        spans.observe(delta)
                     yield self._observe(delta, arrival, last)
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
@@ -252,6 +259,8 @@ class OpenAIServing:
         finally:
             for _ in range(num_unfinished):  # closed early: the engine aborts these
                 self.metrics.request_finished("abort")
+            if spans is not None:
+                spans.end()
 
     def _observe(
         self, delta: SequenceDelta, arrival: float, last: dict[int, float]

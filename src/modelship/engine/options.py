@@ -36,6 +36,9 @@ class EngineOptions(BaseModel):
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     speculative_by_default: bool = False
     speculative_max_batch_size: int = Field(default=2, ge=1)
+    # Megatron-style tensor parallelism over this many processes (GPUs per pod on
+    # Kubernetes); dense checkpoints only (`engine.tensor_parallel`)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
 
     def to_engine_config(self):
         from modelship.engine.config import EngineConfig
@@ -55,6 +58,7 @@ class EngineOptions(BaseModel):
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
             speculative=self.speculative_config(),
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def speculative_config(self):
@@ -91,5 +95,6 @@ class EngineOptions(BaseModel):
             "--speculative-by-default" if self.speculative_by_default
             else "--no-speculative-by-default",
             "--speculative-max-batch-size", str(self.speculative_max_batch_size),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
         ]  # fmt: skip
         return args

@@ -116,7 +116,9 @@ class LLMEngine:
         )
         if self.tp_group is not None:
             try:
-                self.tp_group.send(("cache", num_blocks, block_size, cache_dtype))
+                self.tp_group.send(
+                    ("cache", num_blocks, block_size, cache_dtype, attention_backend)
+                )
                 self.tp_group.wait_ready()
             except BaseException:
                 self.tp_group.close()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from modelship.engine.config import EngineConfig
+from modelship.model import cpu_kernels
 from modelship.model.attention import AttentionMetadata
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
@@ -218,8 +219,10 @@ def _worker_main(model_path: str, config: EngineConfig, rank: int, port: int, pi
             max_positions=config.max_model_len or model_config.max_position_embeddings,
             lm_head="dense", fused_decoder=False, shard=shard, group=group,
         )  # fmt: skip
-        message = pipe.recv()  # ("cache", num_blocks, block_size, cache_dtype)
-        _, num_blocks, block_size, cache_dtype = message
+        message = pipe.recv()  # ("cache", num_blocks, block_size, cache_dtype, backend)
+        _, num_blocks, block_size, cache_dtype, attention_backend = message
+        if attention_backend == "cpu":  # rank 0 chose modelship's kernel: register its ops
+            cpu_kernels.load()
         kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, cache_dtype, device)
     except EOFError:
         return

@@ -155,3 +155,17 @@ def _children(pid: int, command: str = "") -> list[int]:
     text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     pids = [int(child) for child in text.split()]
     return [p for p in pids if command in Path(f"/proc/{p}/cmdline").read_text()]
+
+
+def test_the_option_reaches_serve_flags_and_the_engine_config() -> None:
+    import typer
+
+    from modelship.cli.serve import app as serve_app
+    from modelship.engine.options import EngineOptions
+
+    options = EngineOptions(tensor_parallel_size=2)
+    assert options.to_engine_config().tensor_parallel_size == 2
+    context = typer.main.get_command(serve_app).make_context("serve", ["m", *options.cli_args()])
+    assert context.params["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig(tensor_parallel_size=0)

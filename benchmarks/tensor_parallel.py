@@ -8,7 +8,7 @@ greedy requests on one prompt, 3 warm-up steps and `--steps` timed decode steps.
 tokens generated / wall time of the timed steps. "comm %" is rank 0's time inside the
 all-reduces over the timed steps' wall time (it includes waiting for the slower rank: the
 uneven 2 + 1 kv-head split gives rank 0 more attention work). The threads of each rank are
-the cores shared out. Prints a table, writes JSON with --out.
+the cores shared out (`--num-threads`: that many per rank). Prints a table, writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -50,13 +50,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--num-threads", type=int, help="torch threads per rank (default: shared out)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     results = []
     print(f"{'TP':>3}{'conc':>6}{'tok/s':>9}{'step ms':>10}{'comm %':>8}")
     for size in args.sizes:
-        engine = LLMEngine(args.model, EngineConfig(tensor_parallel_size=size))
+        engine = LLMEngine(
+            args.model, EngineConfig(tensor_parallel_size=size, num_threads=args.num_threads)
+        )
         try:
             for concurrency in args.concurrency:
                 row = {"tp": size, "concurrency": concurrency,
@@ -67,7 +72,8 @@ def main() -> None:
         finally:
             engine.close()
     if args.out:
-        args.out.write_text(json.dumps({"model": str(args.model), "results": results}, indent=2))
+        data = {"model": str(args.model), "num_threads": args.num_threads, "results": results}
+        args.out.write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The engine's device; under TP on CUDA, GPU `rank` (one GPU per rank)."""
     device = config.torch_device
-    if device.type == "cuda":
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
         return torch.device("cuda", rank)
     return device
 

@@ -75,6 +75,16 @@ def test_gpu_serving_asks_for_gpus_on_gpu_nodes(serving: str) -> None:
     assert container["args"][container["args"].index("--device") + 1] == "cuda"
 
 
+@pytest.mark.parametrize("serving", ["kserve", "deployment"])
+def test_tensor_parallel_size_sets_gpus_per_pod_and_the_flag(serving: str) -> None:
+    config = config_for(serving, gpu="gpu")  # gpu.count 1: raised to the 2 ranks
+    engine = config.serve.engine.model_copy(update={"tensor_parallel_size": 2})
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={"engine": engine})})
+    _, container = engine_pod(render(config).objects, serving)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["args"][container["args"].index("--tensor-parallel-size") + 1] == "2"
+
+
 def test_cpu_serving_has_no_gpu_anything() -> None:
     objects = render(config_for("deployment")).objects
     pod, _ = engine_pod(objects, "deployment")

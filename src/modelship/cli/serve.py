@@ -118,6 +118,13 @@ def serve(
     speculative_max_batch_size: Annotated[
         int, typer.Option(help="No drafts in steps with more running sequences than this.")
     ] = _ENGINE.speculative_max_batch_size,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            help="Shard attention and MLP over this many processes (Megatron-style; gloo on "
+            "CPU, NCCL on CUDA, one GPU each); dense checkpoints only."
+        ),
+    ] = _ENGINE.tensor_parallel_size,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -216,6 +223,7 @@ def serve(
             speculative_model=speculative_model,
             speculative_by_default=speculative_by_default,
             speculative_max_batch_size=speculative_max_batch_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
         config = options.to_engine_config()
         if trace_exporter is TraceExporter.file and trace_file is None:

@@ -34,7 +34,15 @@ class RenderContext:
 
     @property
     def serving(self) -> ServingConfig:
-        return self.config.deploy.serving
+        """The serving section, its GPUs per pod raised to `serve.engine.
+        tensor_parallel_size` (one GPU per rank) where that is larger: the pod's GPU limit,
+        the chart's values and vLLM's `--tensor-parallel-size` all follow it."""
+        serving = self.config.deploy.serving
+        ranks = self.config.serve.engine.tensor_parallel_size
+        if serving.gpu is not None and serving.gpu.count < ranks:
+            gpu = serving.gpu.model_copy(update={"count": ranks})
+            serving = serving.model_copy(update={"gpu": gpu})
+        return serving
 
     @property
     def namespace(self) -> str:

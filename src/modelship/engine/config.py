@@ -71,6 +71,12 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = 256
     # prompt-lookup speculative decoding (`engine.speculative`); None: off
     speculative: SpeculativeConfig | None = None
+    # ranks of Megatron-style tensor parallelism (`engine.tensor_parallel`): this process
+    # is rank 0 and spawns the others; dense checkpoints only, no CUDA graphs or fused
+    # decoder. A collective waiting longer than `tensor_parallel_timeout_s` (a hung rank)
+    # fails the engine.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -87,6 +93,12 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError("tensor_parallel_timeout_s must be positive")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "replay"):
             raise ValueError(f"cuda_graphs must be True, False or 'replay': {self.cuda_graphs!r}")
         if not 1 <= self.cuda_graph_max_batch_size <= MAX_GRAPH_BATCH_SIZE:
@@ -111,6 +123,8 @@ class EngineConfig:
     @property
     def graph_capturer(self) -> str | None:
         """How decode steps are captured: "cuda", "replay" or None (every step eager)."""
+        if self.tensor_parallel_size > 1:
+            return None  # workers replay nothing: every step runs eagerly on all ranks
         if self.cuda_graphs == "replay":
             return "replay"
         return "cuda" if self.cuda_graphs and self.torch_device.type == "cuda" else None

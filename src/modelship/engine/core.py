@@ -143,6 +143,7 @@ def main(argv: list[str]) -> int:
         return 0
     from modelship.engine.llm_engine import LLMEngine
 
+    engine = None
     try:
         engine = LLMEngine(model_path, config)
         outbox.send(("ready",))
@@ -154,6 +155,9 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(OSError):
             outbox.send(("dead", f"the engine stopped after an internal error: {exc!r}"))
         return 1
+    finally:
+        if engine is not None:
+            engine.close()  # tensor-parallel workers
     return 0
 
 

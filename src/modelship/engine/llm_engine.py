@@ -33,11 +33,18 @@ from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
 from modelship.engine.speculative import SpeculationTracker, accepted_prefix
+from modelship.engine.tensor_parallel import (
+    ParallelModel,
+    TensorParallelGroup,
+    rank_device,
+    threads_per_rank,
+)
 from modelship.engine.tokenizer import load_tokenizer
 from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from modelship.model.loader import load_model, read_generation_eos
+from modelship.model.tensor_parallel import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +68,33 @@ class LLMEngine:
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-        device = self.config.torch_device
+        tp_size = self.config.tensor_parallel_size
+        if self.config.num_threads or tp_size > 1:
+            torch.set_num_threads(threads_per_rank(self.config))
+        device = rank_device(self.config, 0)
         self.model_path = Path(model_path)
         model_config = ModelConfig.from_dir(self.model_path)
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
-        self.model = load_model(
-            self.model_path,
-            device=device,
-            dtype=self.config.dtype,
-            max_positions=self.max_model_len,
-            int4_kernel=self.config.int4_kernel,
-            lm_head=self.config.lm_head,
-            fused_decoder=self.config.fused_decoder,
-        )
+        # Tensor parallelism: the shapes are checked, then the workers spawn first, so they
+        # load their shards meanwhile.
+        shard = ShardSpec(model_config, 0, tp_size) if tp_size > 1 else None
+        self.tp_group = TensorParallelGroup(self.model_path, self.config) if shard else None
+        try:
+            self.model = load_model(
+                self.model_path,
+                device=device,
+                dtype=self.config.dtype,
+                max_positions=self.max_model_len,
+                int4_kernel=self.config.int4_kernel,
+                lm_head=self.config.lm_head,
+                fused_decoder=self.config.fused_decoder,
+                shard=shard,
+                group=self.tp_group.group if self.tp_group else None,
+            )
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.close()
+            raise
         self.tokenizer = load_tokenizer(self.model_path)
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)
 
@@ -88,14 +107,24 @@ class LLMEngine:
         num_blocks = self.config.num_kv_blocks or max(
             1,
             self.config.kv_cache_memory_bytes
-            // kv_cache_bytes_per_block(model_config, block_size, cache_dtype),
-        )
+            // kv_cache_bytes_per_block(self.model.config, block_size, cache_dtype),
+        )  # under TP, rank 0 holds the most kv heads: the budget holds for every rank
         # With graphs, one more block than the block manager hands out: the padding rows of
         # a replayed decode step write and read only this scratch block (id num_blocks).
         num_scratch_blocks = 1 if capturer is not None else 0
         self.kv_caches = allocate_kv_cache(
-            model_config, num_blocks + num_scratch_blocks, block_size, cache_dtype, device
+            self.model.config, num_blocks + num_scratch_blocks, block_size, cache_dtype, device
         )
+        if self.tp_group is not None:
+            try:
+                self.tp_group.send(
+                    ("cache", num_blocks, block_size, cache_dtype, attention_backend)
+                )
+                self.tp_group.wait_ready()
+            except BaseException:
+                self.tp_group.close()
+                raise
+            self.model = ParallelModel(self.model, self.tp_group)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.config,
@@ -171,6 +200,11 @@ class LLMEngine:
         return capturer
 
     # Requests ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also exit when this process does)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (with the tokenizer's special tokens); ids pass through."""
         if isinstance(prompt, str):

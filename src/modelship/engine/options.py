@@ -39,6 +39,9 @@ class EngineOptions(BaseModel):
     num_speculative_tokens: int = Field(default=0, ge=0, le=16)
     speculative_by_default: bool = False
     speculative_max_batch_size: int = Field(default=2, ge=1)
+    # Megatron-style tensor parallelism over this many processes (GPUs per pod on
+    # Kubernetes); dense checkpoints only (`engine.tensor_parallel`)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     # a draft model's folder (same tokenizer as the served model): draft-model speculation
     # instead of prompt lookup; needs num_speculative_tokens
     speculative_model: str | None = None
@@ -69,6 +72,7 @@ class EngineOptions(BaseModel):
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
             speculative=self.speculative_config(),
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def speculative_config(self):
@@ -107,6 +111,7 @@ class EngineOptions(BaseModel):
             "--speculative-by-default" if self.speculative_by_default
             else "--no-speculative-by-default",
             "--speculative-max-batch-size", str(self.speculative_max_batch_size),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
         ]  # fmt: skip
         if self.speculative_model:
             args += ["--speculative-model", self.speculative_model]

@@ -17,6 +17,7 @@ from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
 from modelship.model.quant.int8 import LM_HEADS
 from modelship.model.registry import CausalLM, create_model
+from modelship.model.tensor_parallel import ShardSpec, wrap_row_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ def load_model(
     int4_kernel: str = "auto",
     lm_head: str = "auto",
     fused_decoder: bool = True,
+    shard: ShardSpec | None = None,
+    group: torch.distributed.ProcessGroup | None = None,
 ) -> CausalLM:
     """Build the model for `model_dir/config.json` and fill it from its safetensors.
 
@@ -105,6 +108,9 @@ def load_model(
     weights, "auto" int8 for quantized checkpoints on a CPU with bf16 compute.
     `fused_decoder` runs all decoder layers in one C++ call on CPU-kernel steps where the
     model allows it (W4A8 projections; see `fused_decoder.py`), else layer by layer.
+    With `shard` (and its process `group`), only that tensor-parallel rank's slice of the
+    projections is loaded and an all-reduce follows each row-parallel one
+    (`tensor_parallel.py`); dense checkpoints only, no fused decoder.
     """
     model_dir = Path(model_dir)
     device = torch.device(device)
@@ -121,11 +127,17 @@ def load_model(
     quantization = create_quantization(config.quantization_config, int4_kernel)
     with ExitStack() as stack, torch.no_grad():
         checkpoint = _Checkpoint(model_dir, stack)
+        get = checkpoint.get if shard is None else shard.slicer(checkpoint.get)
 
         def linear(prefixes: list[str], bias: bool) -> torch.nn.Module:
-            return quantization.load_linear(checkpoint.get, prefixes, bias, dtype, device)
+            return quantization.load_linear(get, prefixes, bias, dtype, device)
 
-        model = create_model(config, linear, max_positions, device)
+        model = create_model(config if shard is None else shard.config, linear, max_positions,
+                             device)  # fmt: skip
+        if shard is not None and shard.world_size > 1:
+            assert group is not None, "a tensor-parallel shard needs its process group"
+            wrap_row_parallel(model, group)
+            fused_decoder = False  # the C++ decoder has no all-reduce between its layers
         # Everything still on the meta device (embeddings, norms) is a plain tensor to assign.
         state = {
             name: checkpoint.get(_checkpoint_name(name)).to(dtype=dtype, device=device)

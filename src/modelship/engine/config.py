@@ -68,8 +68,17 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = 256
     # prompt-lookup speculative decoding (`engine.speculative`); None: off
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (PEFT folders) served over the base as (name, path); more can be
+    # loaded at runtime (`LLMEngine.load_lora`). `max_loras` adapters are resident at once:
+    # loading another evicts the least recently used one that no running request uses.
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    # hook the projections for LoRA even with no adapter configured (runtime loading)
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
         if self.max_num_seqs < 1:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.tiny_models import make_tiny_lora
 
 from modelship.engine import SamplingParams
 from modelship.engine.config import EngineConfig
 from modelship.engine.llm_engine import LLMEngine
 from modelship.model.lora import LoRAError
-from tests.tiny_models import make_tiny_lora
 
 PROMPT = list(range(3, 23))  # 20 tokens: 4 full blocks of 4 can be hit
 MAX_TOKENS = 6

@@ -71,3 +71,26 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**settings))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def make_tiny_lora(
+    base: Path, folder: Path, rank: int, targets: list[str], seed: int = 0, **overrides
+) -> Path:
+    """A PEFT LoRA adapter of the tiny Llama at `base` with random A *and* B (PEFT's default
+    B is zero: the adapter would change nothing), saved as PEFT writes it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **overrides
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # large enough to move greedy tokens of a random model
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(4.0)
+    peft_model.save_pretrained(folder)
+    return folder

@@ -29,13 +29,22 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def root_hash(cache_salt: str | None) -> int | None:
-    """The parent hash of a sequence's first block: None without a salt, else an int
-    derived from the salt (sha256, so it is the same in every process, like `hash_block`)."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, lora_key: str | None = None) -> int | None:
+    """The parent hash of a sequence's first block: None without a salt or LoRA adapter,
+    else an int derived from them (sha256, so it is the same in every process, like
+    `hash_block`). `lora_key` is the adapter's name + content hash (`LoRAAdapter.key`): a
+    prefix computed with one adapter is never a hit for another, or for the base model."""
+    if cache_salt is None and lora_key is None:
         return None
-    digest = hashlib.sha256(b"modelship-cache-salt\0" + cache_salt.encode()).digest()
+    data = b"modelship-cache-salt\0" + (cache_salt or "").encode()
+    if lora_key is not None:
+        data += b"\0modelship-lora\0" + lora_key.encode()
+    digest = hashlib.sha256(data).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+def seq_root_hash(seq: Sequence) -> int | None:
+    return root_hash(seq.cache_salt, seq.lora.key if seq.lora is not None else None)
 
 
 @dataclass
@@ -93,7 +102,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return NO_HIT
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent = root_hash(seq.cache_salt)
+        parent = seq_root_hash(seq)
         block_ids: list[int] = []
         hashes: list[int] = []
         for i in range(max_blocks):
@@ -154,7 +163,7 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = seq.block_hashes[i - 1] if i else root_hash(seq.cache_salt)
+            parent = seq.block_hashes[i - 1] if i else seq_root_hash(seq)
             block_hash = hash_block(parent, tokens)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]

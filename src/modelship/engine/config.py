@@ -77,8 +77,17 @@ class EngineConfig:
     # fails the engine.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # LoRA adapters (PEFT folders) served over the base as (name, path); more can be
+    # loaded at runtime (`LLMEngine.load_lora`). `max_loras` adapters are resident at once:
+    # loading another evicts the least recently used one that no running request uses.
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    # hook the projections for LoRA even with no adapter configured (runtime loading)
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
         if self.block_size < 1:
             raise ValueError("block_size must be at least 1")
         if self.max_num_seqs < 1:
@@ -115,6 +124,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in dtypes:
                 raise ValueError(f"{name} must be one of {sorted(dtypes)}, got {value!r}")
+        if self.tensor_parallel_size > 1 and (self.loras or self.enable_lora):
+            # an adapter's delta is computed over whole projections, a rank holds a slice
+            raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
 
     @property
     def torch_device(self) -> torch.device:

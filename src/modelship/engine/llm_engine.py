@@ -26,6 +26,7 @@ from modelship.engine.cuda_graphs import (
 from modelship.engine.detokenizer import IncrementalDetokenizer
 from modelship.engine.draft import DraftModel
 from modelship.engine.faults import FaultInjection
+from modelship.engine.loras import LoRARegistry
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
 from modelship.engine.sampler import NonFiniteLogitsError
@@ -44,6 +45,7 @@ from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from modelship.model.loader import load_model, read_generation_eos
+from modelship.model.lora import LoRAAdapter
 from modelship.model.tensor_parallel import ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,16 @@ class LLMEngine:
                 self.tp_group.close()
             raise
         self.tokenizer = load_tokenizer(self.model_path)
+        self.loras: LoRARegistry | None = None
+        if self.config.loras or self.config.enable_lora:
+            # Always the per-layer path for adapter rows; base-only steps keep the fused
+            # decoder and decode graphs (`ModelRunner.execute`).
+            self.model.enable_lora()
+            self.loras = LoRARegistry(
+                model_config.num_layers, self.model.dtype, device, self.config.max_loras
+            )
+            for name, path in self.config.loras:
+                self.loras.load(name, path)
         eos_token_ids = set(model_config.eos_token_ids) | read_generation_eos(self.model_path)
 
         cache_dtype = self.config.cache_dtype(self.model.dtype)
@@ -218,9 +230,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[int]:
         """Queue a request and return its prompt token ids. Only requests with the same
-        `cache_salt` (a tenant's cache namespace) share prefix-cache blocks.
+        `cache_salt` (a tenant's cache namespace) and LoRA adapter share prefix-cache
+        blocks. `lora` names a registered adapter (KeyError if it is not one).
 
         All or nothing: raises `InvalidParamsError`, `EngineOverloadedError`,
         `RequestTooLongError` (or `ValueError` for a bad prompt) at once, leaving no trace.
@@ -242,9 +256,12 @@ class LLMEngine:
             raise InvalidParamsError(
                 "num_resumed_tokens", "num_resumed_tokens must be shorter than the prompt"
             )
+        adapter = self._adapter(lora)
         # Everything that can fail runs before the scheduler takes the first sequence.
         seqs = [
-            Sequence(f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt)
+            Sequence(
+                f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt, adapter
+            )
             for i in range(params.n)
         ]
         generators = [self._make_generator(params, index) for index in range(params.n)]
@@ -258,6 +275,8 @@ class LLMEngine:
         )
         self.scheduler.add_request(seqs[0], num_held_back=len(request.held_back))
         try:
+            if adapter is not None and self.loras is not None:
+                self.loras.acquire(adapter)  # released by `_forget`
             self._requests[request_id] = request
             for index, seq in enumerate(seqs):
                 self._seq_owner[seq.seq_id] = (request, index)
@@ -489,8 +508,30 @@ class LLMEngine:
             queue_time_s=seq.queue_time_s if finish_reason is not None else None,
         )
 
+    def _adapter(self, lora: str | None) -> LoRAAdapter | None:
+        if lora is None:
+            return None
+        if self.loras is None or lora not in self.loras.paths:
+            raise KeyError(lora)
+        return self.loras.get(lora)
+
+    def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Register and load an adapter at runtime (`LoRAError` for a bad folder)."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora / loras)")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter for new requests (KeyError if unknown); running ones finish."""
+        if self.loras is None:
+            raise KeyError(name)
+        self.loras.unload(name)
+
     def _forget(self, request: _Request) -> None:
-        self._requests.pop(request.request_id, None)
+        if self._requests.pop(request.request_id, None) is not None:
+            adapter = request.seqs[0].lora
+            if adapter is not None and self.loras is not None:
+                self.loras.release(adapter)
         for seq in request.seqs:
             self._seq_owner.pop(seq.seq_id, None)
             self._generators.pop(seq.seq_id, None)

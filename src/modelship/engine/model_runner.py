@@ -106,7 +106,9 @@ class ModelRunner:
         self, plan: SchedulerOutput, generators: dict[str, torch.Generator | None]
     ) -> RunnerOutput:
         """Run the plan's tokens through the model; sample for sequences that completed."""
-        if self.graph_runner is not None and self.graph_runner.can_replay(plan):
+        lora = getattr(self.model, "lora", None)
+        has_lora = lora is not None and any(s.seq.lora is not None for s in plan.scheduled)
+        if not has_lora and self.graph_runner is not None and self.graph_runner.can_replay(plan):
             seqs = [scheduled.seq for scheduled in plan.scheduled]
             hidden = self.graph_runner.replay(seqs)  # [num_seqs, hidden], one row each
             sample_indices = [
@@ -117,7 +119,13 @@ class ModelRunner:
             input_ids, positions, attn_metadata, sample_indices, sampled_seqs = self.prepare_inputs(
                 plan
             )
-            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+            if has_lora:  # the step's rows grouped by adapter, read by the projection hooks
+                lora.segments = self._lora_segments(plan)
+            try:
+                hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+            finally:
+                if has_lora:
+                    lora.segments = []
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
         if not sampled_seqs:
             return RunnerOutput([], None, prompt_logprobs)
@@ -149,6 +157,21 @@ class ModelRunner:
 
         output = sample(logits, metadata, verify if checks else None)
         return RunnerOutput(sampled_seqs, output, prompt_logprobs, row_starts)
+
+    def _lora_segments(self, plan: SchedulerOutput) -> list:
+        """(adapter, row indices) per adapter present, rows in `prepare_inputs` order."""
+        rows: dict[str, tuple[object, list[int]]] = {}
+        row = 0
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            count = scheduled.num_new_tokens  # drafts included
+            if seq.lora is not None:
+                rows.setdefault(seq.lora.key, (seq.lora, []))[1].extend(range(row, row + count))
+            row += count
+        return [
+            (adapter, torch.tensor(indices, dtype=torch.long, device=self.device))
+            for adapter, indices in rows.values()
+        ]
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

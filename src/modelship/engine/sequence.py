@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import time
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from modelship.engine.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
+
+if TYPE_CHECKING:
+    from modelship.model.lora import LoRAAdapter
 
 
 class SequenceStatus(Enum):
@@ -33,6 +37,7 @@ class Sequence:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
@@ -40,6 +45,7 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share blocks
+        self.lora = lora  # the adapter its tokens run with; also a prefix-cache namespace
         self.arrival_seq = next(_arrivals)  # FCFS order, also across preemptions
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None

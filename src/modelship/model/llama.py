@@ -26,6 +26,7 @@ from modelship.model.config import ModelConfig
 from modelship.model.fused_decoder import FusedDecoder, can_fuse
 from modelship.model.kv_cache import KVCache
 from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope_
+from modelship.model.lora import LoRAContext, attach_lora
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
 from modelship.model.quant.int8 import W8A8Linear, int8_head_supports
 
@@ -129,6 +130,23 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(config, max_positions, device)
         self.int8_head: W8A8Linear | None = None  # set by `use_int8_head`
         self.fused_decoder: FusedDecoder | None = None  # set by `use_fused_decoder`
+        self.lora: LoRAContext | None = None  # set by `enable_lora`
+
+    def enable_lora(self) -> LoRAContext:
+        """Hook the projections for LoRA deltas (`lora.py`); the runner fills the returned
+        context per step. Steps with adapter rows skip the fused decoder (it calls no hooks)."""
+        if self.lora is None:
+            c = self.config
+            self.lora = attach_lora(
+                self.layers,
+                {
+                    "qkv_proj": [c.q_size, c.kv_size, c.kv_size],
+                    "o_proj": [c.hidden_size],
+                    "mlp.gate_up_proj": [c.intermediate_size, c.intermediate_size],
+                    "mlp.down_proj": [c.hidden_size],
+                },
+            )
+        return self.lora
 
     def use_int8_head(self) -> bool:
         """Compute logits with an int8 copy of the (dense) output head; False where the
@@ -164,7 +182,7 @@ class LlamaForCausalLM(CausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
         if attn_metadata.backend == "cpu":  # the CPU kernel indexes the fp32 tables
             cos, sin = self.rotary.cos, self.rotary.sin
-            if self.fused_decoder is not None:
+            if self.fused_decoder is not None and not (self.lora and self.lora.segments):
                 return self.fused_decoder(hidden, kv_caches, cos, sin, attn_metadata)
         else:
             cos, sin = self.rotary.tables(positions, hidden.dtype)

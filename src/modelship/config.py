@@ -69,9 +69,9 @@ class SelectConfig(Section):
     prompt_tokens: int = Field(default=128, ge=1)
     output_tokens: int = Field(default=32, ge=1)
     # The workload above is one round; rounds interleave the variants and repeat until every
-    # serving metric's 95% interval is within `ci_target` of its mean (after `min_rounds`),
-    # or `max_rounds` or `serving_budget_s` ends them. Differences inside the intervals, or
-    # under `min_effect` of the value, are ties (`pipeline/select/stats.py`).
+    # serving metric's 95% interval is within `ci_target` of its mean (after `min_rounds`,
+    # which always run), or `max_rounds` or `serving_budget_s` ends them. Differences inside
+    # the intervals, or under `min_effect` of the value, are ties (`pipeline/select/stats.py`).
     min_rounds: int = Field(default=3, ge=2)
     max_rounds: int = Field(default=8, ge=2)
     ci_target: float = Field(default=0.05, gt=0)

@@ -45,7 +45,7 @@ class Workload:
     min_rounds: int = 3
     max_rounds: int = 10
     ci_target: float = 0.05  # stop once every 95% half-width is within this share of its mean
-    budget_s: float = 300.0  # no new round starts after this many seconds of measuring
+    budget_s: float = 300.0  # past this many seconds of measuring, no round beyond min_rounds
     seed: int = 7
 
 
@@ -159,7 +159,7 @@ def _run_rounds(candidates, tokenizer, workload: Workload, log) -> tuple[int, st
             return rounds, "converged"
         if rounds >= workload.max_rounds:
             return rounds, "max_rounds"
-        if rounds >= 2 and time.monotonic() - started > workload.budget_s:
+        if rounds >= workload.min_rounds and time.monotonic() - started > workload.budget_s:
             return rounds, "time_budget"
         prompts = make_prompts(tokenizer, per_round, workload.prompt_tokens, workload.seed + rounds)
         shift = rounds % len(live)

@@ -104,6 +104,10 @@ class ServeConfig(Section):
     # one engine step running past this makes a replica report itself stalled (/ready and
     # /health 503): routed around, then replaced (`serve --stall-timeout`)
     stall_timeout_s: float = Field(default=120.0, ge=1.0)
+    # LoRA adapters (PEFT folders) every replica serves over the model: name -> folder;
+    # requests name them in `model`, tenants' `allowed_models` say who may
+    loras: dict[str, str] = Field(default_factory=dict)
+    max_loras: int = Field(default=4, ge=1)
     engine: EngineOptions = Field(default_factory=EngineOptions)
 
 

@@ -21,12 +21,14 @@ from modelship.storage import Storage
 
 from fleet_process import UpProcess
 from fleet_storage import publish_release
+from tiny_models import make_tiny_lora
 
 SLUG = "tiny"
 KEY = "sk-alpha-test"
 LIMITED_KEY = "sk-limited-test"
 BILLING_KEY = "sk-billing-test"
 PRICE = {"input_per_1k": 0.5, "output_per_1k": 2.0}
+ADAPTER = "tiny-attn"  # a LoRA adapter every replica serves
 METRICS_KEY = "sk-metrics-test"
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +47,11 @@ def fleet_config() -> dict:
                     "max_output_tokens": 16,
                     "allowed_models": [SLUG],
                 },
-                {"name": "billing", "api_key_sha256": hash_api_key(BILLING_KEY)},
+                {
+                    "name": "billing",
+                    "api_key_sha256": hash_api_key(BILLING_KEY),
+                    "allowed_models": [SLUG],
+                },
             ],
             "cost": {"variants": {"fp16": PRICE}},
             "routing": {"policy": "least_outstanding_tokens"},
@@ -69,7 +75,10 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     workdir = tmp_path_factory.mktemp("fleet")
     storage = Storage(workdir / "storage")
     storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
-    up = UpProcess(fleet_config(), storage.root, SLUG, workdir)
+    adapter = make_tiny_lora(tiny_llama_dir, workdir / "adapter", 4, ["q_proj", "v_proj"])
+    config = fleet_config()
+    config["serve"]["loras"] = {ADAPTER: str(adapter)}
+    up = UpProcess(config, storage.root, SLUG, workdir)
     up.metrics_key = METRICS_KEY
     try:
         up.wait_ready()
@@ -284,3 +293,14 @@ def test_every_dashboard_query_reads_a_live_metric(fleet: UpProcess):
         and not any(name.removesuffix(suffix) in exposed for suffix in ("_bucket", "_total"))
     }
     assert not missing, f"panels query series no component exposes: {sorted(missing)}"
+
+
+def test_adapters_are_models_tenants_may_be_kept_from(fleet: UpProcess):
+    listed = {card.id for card in client(fleet).models.list().data}
+    assert listed == {SLUG, ADAPTER}
+    answer = client(fleet).completions.create(model=ADAPTER, prompt="one two", max_tokens=4)
+    assert answer.model == ADAPTER and answer.usage.completion_tokens == 4
+    limited = client(fleet, BILLING_KEY)  # allowed_models: [SLUG]
+    assert {card.id for card in limited.models.list().data} == {SLUG}
+    with pytest.raises(openai.PermissionDeniedError, match=ADAPTER):
+        limited.completions.create(model=ADAPTER, prompt="one two", max_tokens=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from enum import StrEnum
 from pathlib import Path
@@ -125,6 +126,16 @@ def serve(
             "CPU, NCCL on CUDA, one GPU each); dense checkpoints only."
         ),
     ] = _ENGINE.tensor_parallel_size,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A LoRA adapter (PEFT folder) served over the model as NAME=PATH; repeat for "
+            "more. Requests name it in `model`."
+        ),
+    ] = None,
+    max_loras: Annotated[
+        int, typer.Option(help="LoRA adapters resident at once (least recently used evicted).")
+    ] = 4,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -226,6 +237,9 @@ def serve(
             tensor_parallel_size=tensor_parallel_size,
         )
         config = options.to_engine_config()
+        if lora:
+            adapters = _parse_loras(lora, served_model_name or model_dir.resolve().name)
+            config = dataclasses.replace(config, loras=adapters, max_loras=max_loras)
         if trace_exporter is TraceExporter.file and trace_file is None:
             fail("--trace-exporter file needs --trace-file PATH", CONFIG_EXIT_CODE)
         tracing = TracingConfig(
@@ -258,3 +272,19 @@ def serve(
     )
     if code:
         raise typer.Exit(code)
+
+
+def _parse_loras(specs: list[str], model_name: str) -> tuple[tuple[str, str], ...]:
+    """`--lora NAME=PATH` values as (name, path); a bad one is a usage error naming it."""
+    adapters: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            fail(f"--lora takes NAME=PATH, got {spec!r}", CONFIG_EXIT_CODE)
+        if name == model_name or name in adapters:
+            fail(f"--lora {name}: the name is already taken", CONFIG_EXIT_CODE)
+        if not (Path(path) / "adapter_config.json").is_file():
+            message = f"--lora {name}: {path} has no adapter_config.json (not a PEFT folder)"
+            fail(message, CONFIG_EXIT_CODE)
+        adapters[name] = path
+    return tuple(adapters.items())

@@ -44,6 +44,7 @@ class _Add:
     deliver: Callable[[SequenceDelta | BaseException], None]
     accepted: Future
     cache_salt: str | None = None
+    lora: str | None = None
 
 
 @dataclass
@@ -104,8 +105,10 @@ class AsyncLLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """Admit a request and return an iterator over its deltas (ends when all finish).
+        `lora` names a LoRA adapter the engine was started with (None: the base model).
 
         Raises the engine's admission errors here, and `EngineDeadError` once the engine
         has stopped. Closing the iterator early (e.g. the client went away) aborts the
@@ -122,7 +125,7 @@ class AsyncLLMEngine:
         with self._lock:
             if self._error is not None:
                 raise EngineDeadError(str(self._error))
-            add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt)
+            add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt, lora)
             self._inbox.put(add)
         try:
             await asyncio.wrap_future(accepted)  # raises the admission error, if any
@@ -189,6 +192,7 @@ class AsyncLLMEngine:
                     message.params,
                     message.priority,
                     message.cache_salt,
+                    message.lora,
                 )
             except Exception as exc:  # the engine added nothing (add_request is atomic)
                 message.accepted.set_exception(exc)

@@ -7,7 +7,7 @@ the event loop never waits for the GIL in the middle of a step, and a step never
 for the event loop.
 
 Wire (two pipes, `multiprocessing.connection` framing, pickled tuples):
-- client -> core: `("add", request_id, token_ids, params, priority, cache_salt)`,
+- client -> core: `("add", request_id, token_ids, params, priority, cache_salt, lora)`,
   `("abort", request_id)`, `None` (shut down). The first message is
   `(model_path, EngineConfig)`.
 - core -> client: `("ready",)` once the model is loaded, then one
@@ -112,9 +112,9 @@ class EngineCore:
         if message[0] == "abort":
             deltas.extend(self.engine.abort(message[1]))
             return
-        _, request_id, token_ids, params, priority, cache_salt = message
+        _, request_id, token_ids, params, priority, cache_salt, lora = message
         try:
-            self.engine.add_request(request_id, token_ids, params, priority, cache_salt)
+            self.engine.add_request(request_id, token_ids, params, priority, cache_salt, lora)
         except Exception as exc:  # add_request is atomic: nothing was added
             acks.append((request_id, _encode_error(exc)))
             return
@@ -250,6 +250,7 @@ class EngineCoreClient:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """As `AsyncLLMEngine.add_request`: admission errors are raised here."""
         await self._wait_ready()
@@ -263,7 +264,7 @@ class EngineCoreClient:
         stream = _Stream(params.n)
         self._streams[request_id] = stream
         try:
-            self._send(("add", request_id, list(token_ids), params, priority, cache_salt))
+            self._send(("add", request_id, list(token_ids), params, priority, cache_salt, lora))
             await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # the core may have taken it: abort is a no-op if not

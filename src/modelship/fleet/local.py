@@ -104,6 +104,10 @@ class LocalFleet:
             "--log-format", self.config.log_format,
             *self.config.tracing.cli_args(),
         ]  # fmt: skip
+        for name, folder in serve.loras.items():
+            args += ["--lora", f"{name}={folder}"]
+        if serve.loras:
+            args += ["--max-loras", str(serve.max_loras)]
         return ReplicaProcess(
             spec.model_dir,
             *args,

@@ -7,6 +7,7 @@ app's lifespan, on the same event loop as the request path.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -49,8 +50,8 @@ def create_gateway_app(
 
     async def models(request: Request) -> Response:
         try:
-            service.authenticate(request)
-            return await _models_from_replica(service)
+            tenant = service.authenticate(request)
+            return await _models_from_replica(service, tenant.config.allowed_models)
         except GatewayError as error:
             return error.response()
 
@@ -95,8 +96,9 @@ def create_gateway_app(
     return app
 
 
-async def _models_from_replica(service: GatewayService) -> Response:
-    """The replicas serve one model under one name: ask a ready stable one."""
+async def _models_from_replica(service: GatewayService, allowed: list[str] | None) -> Response:
+    """The replicas serve one model (and its LoRA adapters) under their names: ask a ready
+    stable one, and list only what the tenant may use (`allowed`; None: everything)."""
     for endpoint in service.pool.endpoints(Track.STABLE):
         if not endpoint.is_routable:
             continue
@@ -108,6 +110,11 @@ async def _models_from_replica(service: GatewayService) -> Response:
             )
         except httpx.HTTPError:
             continue
-        return Response(response.content, status_code=response.status_code,
+        content = response.content
+        if allowed is not None and response.status_code == 200:
+            listing = response.json()
+            listing["data"] = [card for card in listing["data"] if card["id"] in allowed]
+            content = json.dumps(listing).encode()
+        return Response(content, status_code=response.status_code,
                         media_type="application/json")  # fmt: skip
     raise unavailable("no replica is ready to serve; retry shortly")

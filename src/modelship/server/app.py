@@ -57,6 +57,7 @@ def create_app(
     limits: RequestLimitsConfig | None = None,
     stall_timeout_s: float = 120.0,
     tracing: Tracing | None = None,
+    adapters: tuple[str, ...] = (),
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -66,7 +67,13 @@ def create_app(
     state = ServerState()
     metrics = ServerMetrics(engine.stats, model_name, variant)
     serving = OpenAIServing(
-        engine, model_name, max_model_len or engine.max_model_len, metrics, limits, tracing
+        engine,
+        model_name,
+        max_model_len or engine.max_model_len,
+        metrics,
+        limits,
+        tracing,
+        adapters,
     )
 
     @asynccontextmanager
@@ -156,7 +163,12 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(authenticate)])
     async def models() -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=serving.max_model_len)])
+        cards = [p.ModelCard(id=model_name, max_model_len=serving.max_model_len)]
+        cards += [
+            p.ModelCard(id=name, parent=model_name, max_model_len=serving.max_model_len)
+            for name in adapters
+        ]
+        return p.ModelList(data=cards)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat(body: p.ChatCompletionRequest, request: Request):

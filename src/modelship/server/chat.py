@@ -15,6 +15,7 @@ async def create_chat_completion(
 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """Validate everything before the engine sees the request; errors raise `APIError`."""
     serving.check_request(request)
+    lora = serving.adapter_of(request)
     prompt = await serving.chat_prompt(request)
     resumed = serving.resumed_token_ids(request)
     params = serving.sampling_params(request, len(prompt), len(resumed))
@@ -22,15 +23,15 @@ async def create_chat_completion(
     num_top = request.top_logprobs or 0
     if request.stream:
         deltas = serving.generate(
-            request_id, prompt + resumed, params, request.priority, cache_salt
+            request_id, prompt + resumed, params, request.priority, cache_salt, lora
         )
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
         return _stream(serving, request, request_id, len(prompt), len(resumed), first, deltas)
-    choices = await serving.collect(request_id, prompt, params, request.priority, cache_salt)
+    choices = await serving.collect(request_id, prompt, params, request.priority, cache_salt, lora)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
         id=request_id,
-        model=serving.model_name,
+        model=request.model,
         choices=[
             p.ChatChoice(
                 index=i,
@@ -59,7 +60,7 @@ async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, 
         choice = p.ChatStreamChoice(index=index, delta=delta, **fields)
         return sse(
             p.ChatCompletionChunk(
-                id=request_id, created=created, model=serving.model_name, choices=[choice]
+                id=request_id, created=created, model=request.model, choices=[choice]
             ),
             exclude,
         )
@@ -97,7 +98,7 @@ async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, 
         )
         yield sse(
             p.ChatCompletionChunk(
-                id=request_id, created=created, model=serving.model_name, choices=[], usage=usage
+                id=request_id, created=created, model=request.model, choices=[], usage=usage
             ),
             exclude,
         )

@@ -16,6 +16,7 @@ async def create_completion(
     serving: OpenAIServing, request: p.CompletionRequest, cache_salt: str | None = None
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_request(request)
+    lora = serving.adapter_of(request)
     prompts = await serving.completion_prompts(request)
     resumed = serving.resumed_token_ids(request)
     params = [serving.sampling_params(request, len(prompt), len(resumed)) for prompt in prompts]
@@ -24,7 +25,7 @@ async def create_completion(
         if len(prompts) != 1:
             raise BadRequestError("streaming supports one prompt per request", "prompt")
         prompt = prompts[0] + resumed
-        deltas = serving.generate(request_id, prompt, params[0], request.priority, cache_salt)
+        deltas = serving.generate(request_id, prompt, params[0], request.priority, cache_salt, lora)
         first = await anext(deltas)  # admission errors surface before any byte is sent
         return _stream(serving, request, request_id, prompts[0], len(resumed), first, deltas)
 
@@ -34,7 +35,9 @@ async def create_completion(
         async with asyncio.TaskGroup() as group:
             tasks = [
                 group.create_task(
-                    serving.collect(f"{request_id}-{i}", prompt, prm, request.priority, cache_salt)
+                    serving.collect(
+                        f"{request_id}-{i}", prompt, prm, request.priority, cache_salt, lora
+                    )
                 )
                 for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
             ]
@@ -62,7 +65,7 @@ async def create_completion(
     num_prompt_tokens = sum(len(prompt) for prompt in prompts)
     return p.CompletionResponse(
         id=request_id,
-        model=serving.model_name,
+        model=request.model,
         choices=choices,
         usage=p.Usage(
             prompt_tokens=num_prompt_tokens,
@@ -81,7 +84,7 @@ async def _stream(serving, request, request_id, prompt, num_resumed, first, delt
 
     def chunk(choice: p.CompletionChoice, token_ids: list[int] | None = None) -> str:
         response = p.CompletionResponse(
-            id=request_id, created=created, model=serving.model_name, choices=[choice]
+            id=request_id, created=created, model=request.model, choices=[choice]
         )
         payload = response.model_dump(exclude={"usage"})
         if request.return_token_ids:
@@ -128,7 +131,7 @@ async def _stream(serving, request, request_id, prompt, num_resumed, first, delt
             total_tokens=len(prompt) + completion_tokens,
         )
         response = p.CompletionResponse(
-            id=request_id, created=created, model=serving.model_name, choices=[], usage=usage
+            id=request_id, created=created, model=request.model, choices=[], usage=usage
         )
         yield sse(response)
     yield SSE_DONE

@@ -80,6 +80,7 @@ def serve(
         limits=limits,
         stall_timeout_s=stall_timeout_s,
         tracing=tracer,
+        adapters=tuple(name for name, _ in engine_config.loras) if engine_config else (),
     )
     config = uvicorn.Config(
         app,

@@ -242,6 +242,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "modelship"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -58,8 +58,10 @@ class OpenAIServing:
         metrics: ServerMetrics,
         limits: RequestLimitsConfig | None = None,
         tracing: Tracing | None = None,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
+        self.adapters = adapters  # LoRA adapters served over the model, by name
         self.tracing = tracing or Tracing()
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -74,13 +76,17 @@ class OpenAIServing:
 
     def check_request(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
         """The model name and the request caps, before any tokenizing."""
-        if request.model != self.model_name:
+        if request.model != self.model_name and request.model not in self.adapters:
+            served = ", ".join(f"`{name}`" for name in (self.model_name, *self.adapters))
             raise ModelNotFoundError(
-                f"The model `{request.model}` does not exist; this server serves "
-                f"`{self.model_name}`.",
+                f"The model `{request.model}` does not exist; this server serves {served}.",
                 param="model",
             )
         self.limits.check(request)
+
+    def adapter_of(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> str | None:
+        """The LoRA adapter a (checked) request names; None: the model itself."""
+        return None if request.model == self.model_name else request.model
 
     # Requests -> engine ----------------------------------------------------------------------
     async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
@@ -223,11 +229,14 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[SequenceDelta]:
         """Admit into the engine (mapping its errors) and record metrics while streaming."""
         arrival = time.perf_counter()
         try:
-            stream = await self.engine.add_request(request_id, prompt, params, priority, cache_salt)
+            stream = await self.engine.add_request(
+                request_id, prompt, params, priority, cache_salt, lora
+            )
         except EngineOverloadedError as exc:
             retry_after = str(max(1, round(getattr(exc, "retry_after_s", 1) or 1)))
             raise OverloadedError(str(exc), headers={"Retry-After": retry_after}) from exc
@@ -290,9 +299,10 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[_Choice]:
         choices = [_Choice() for _ in range(params.n)]
-        async for delta in self.generate(request_id, prompt, params, priority, cache_salt):
+        async for delta in self.generate(request_id, prompt, params, priority, cache_salt, lora):
             choice = choices[delta.index]
             choice.text += delta.text
             choice.token_ids += delta.token_ids

@@ -29,6 +29,7 @@ import httpx
 import yaml
 
 from modelship.server.process import free_port
+from processes import wait_ready
 
 MODEL = "noop"
 _ANSWER = {
@@ -80,20 +81,6 @@ def serve_noop(port: int) -> None:
     import uvicorn
 
     uvicorn.run(noop_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: the process exited ({process.returncode})")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} was not ready within {timeout_s} s")
 
 
 def measure(direct: str, gateway: str, stream: bool, num_requests: int, model: str) -> dict:

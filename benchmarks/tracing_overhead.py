@@ -30,6 +30,7 @@ import yaml
 
 from modelship.server.process import free_port
 from modelship.tracing import SpanKind, Tracing, TracingConfig, end_span, extract, inject
+from processes import wait_ready
 
 TARGET_ADDED_P50_MS = 0.3
 ANSWER = {
@@ -74,20 +75,6 @@ def run_upstream(port: int) -> None:
 
 def start(command: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url}: not ready after {timeout_s}s")
 
 
 def gateway(workdir: Path, name: str, upstream: str, tracing: dict | None) -> tuple:

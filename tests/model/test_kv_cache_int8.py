@@ -242,14 +242,17 @@ def test_greedy_tokens_match_the_fp32_cache(tiny_llama_dir: Path, backend: str) 
     assert outputs["int8"] == outputs["float32"]
 
 
-def test_int8_cache_holds_more_blocks_in_the_same_memory(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_holds_more_blocks_in_the_same_memory(
+    tiny_llama_dir: Path, dtype: str
+) -> None:
     blocks = {}
-    for dtype in ("float32", "int8"):
-        config = EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_bytes=2 * 1024**2)
-        blocks[dtype] = LLMEngine(tiny_llama_dir, config).block_manager.num_blocks
-    # the tiny model's head_dim is 16: 64 bytes per fp32 vector, 16 + 4 (scale) per int8 one
-    assert blocks["int8"] / blocks["float32"] >= 2
-    assert blocks["int8"] / blocks["float32"] == pytest.approx(64 / 20, rel=0.01)
+    for kv_dtype in ("float32", dtype):
+        config = EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=2 * 1024**2)
+        blocks[kv_dtype] = LLMEngine(tiny_llama_dir, config).block_manager.num_blocks
+    # the tiny model's head_dim is 16: 64 bytes per fp32 vector, 16 + 4 (scale) per 8-bit one
+    assert blocks[dtype] / blocks["float32"] >= 2
+    assert blocks[dtype] / blocks["float32"] == pytest.approx(64 / 20, rel=0.01)
 
 
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])

@@ -635,15 +635,20 @@ class _Hold:
         metrics = service.metrics
         release = self.upstream.release if self.upstream else "none"
         variant = self.upstream.variant if self.upstream else "none"
-        metrics.tokens.labels(name, self.model, variant, "input").inc(usage.prompt_tokens)
-        metrics.tokens.labels(name, self.model, variant, "output").inc(usage.completion_tokens)
+        # The model as a label only if a replica answered it (a replica refuses a name it
+        # does not serve): the client writes it, and any string, lone surrogates included,
+        # would be a new series, or a /metrics page that cannot be encoded.
+        known = self.upstream is not None and status_code < 400
+        model = self.model if known else "unknown"
+        metrics.tokens.labels(name, model, variant, "input").inc(usage.prompt_tokens)
+        metrics.tokens.labels(name, model, variant, "output").inc(usage.completion_tokens)
         price = service.prices.get(variant)
         cost = None if price is None else price.of(usage.prompt_tokens, usage.completion_tokens)
         if cost is not None:
-            metrics.cost.labels(name, self.model, variant).inc(cost)
+            metrics.cost.labels(name, model, variant).inc(cost)
         if service.ledger is not None:
             service.ledger.append(
-                UsageRecord(now_utc(), name, self.model, release, variant, status_code,
+                UsageRecord(now_utc(), name, model, release, variant, status_code,
                             usage.prompt_tokens, usage.completion_tokens, cost)
             )  # fmt: skip
         metrics.requests.labels(name, str(status_code), release, variant).inc()

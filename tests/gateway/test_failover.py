@@ -45,8 +45,12 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _wait_two_ready(up: UpProcess) -> None:
+    """Two live replica processes, both ready. The gauge alone is not enough: a replica the
+    last test killed counts as ready until the supervisor's next tick notices it."""
     up.wait_for(
-        lambda: up.metric("modelship_gateway_replicas", state="ready") == 2,
+        lambda: (
+            len(up.replicas()) == 2 and up.metric("modelship_gateway_replicas", state="ready") == 2
+        ),
         timeout_s=120,
         what="two ready replicas",
     )

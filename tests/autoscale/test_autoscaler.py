@@ -17,6 +17,7 @@ def make_policy(**overrides) -> AutoscalerPolicy:
         "target_concurrency": 4,
         "scale_up_window_s": 3,
         "scale_down_window_s": 60,
+        "anticipate": False,
     } | overrides
     return AutoscalerPolicy(AutoscalerConfig(**options))
 
@@ -34,7 +35,9 @@ class Fleet:
     def tick(self, now: float, in_flight: float):
         self.ready += sum(1 for t in self.starting if t <= now)
         self.starting = [t for t in self.starting if t > now]
-        decision = self.policy.decide(now, in_flight, self.ready, len(self.starting))
+        decision = self.policy.decide(
+            now, in_flight, self.ready, len(self.starting), time_to_ready_s=self.start_s
+        )
         for _ in range(max(0, decision.delta)):
             self.starting.append(now + self.start_s)
             self.num_started += 1
@@ -143,3 +146,64 @@ def test_fleet_stays_in_bounds_and_never_overshoots(
         recent = loads[max(0, t - 60) : t + 1]
         need = max(policy.recommend(x) for x in recent)
         assert fleet.ready + len(fleet.starting) <= max(need, min_replicas)
+
+
+def replica_seconds_short(policy: AutoscalerPolicy, loads: list[float], start_s: float) -> float:
+    """Sum over ticks of the replicas the load needed and the fleet did not have ready."""
+    fleet = Fleet(policy, ready=1, start_s=start_s)
+    short = 0.0
+    for t, in_flight in enumerate(loads):
+        fleet.tick(t, in_flight)
+        short += max(0, policy.recommend(in_flight) - fleet.ready)
+    return short
+
+
+def test_a_rising_load_is_met_where_it_will_be_once_replicas_are_ready() -> None:
+    ramp = [2.0 * t for t in range(30)] + [60.0] * 30  # 2 more requests in flight a second
+    late = replica_seconds_short(make_policy(max_replicas=16), ramp, start_s=10)
+    ahead = replica_seconds_short(make_policy(max_replicas=16, anticipate=True), ramp, start_s=10)
+    assert ahead <= late / 2, (ahead, late)
+    # The time to ready sets how far ahead: 10 s at +2/s is +20 requests, 5 replicas' worth.
+    policy = make_policy(max_replicas=16, anticipate=True, scale_up_window_s=0)
+    for t in range(10):
+        decision = policy.decide(t, in_flight=2.0 * t, ready_replicas=8, time_to_ready_s=10)
+    assert decision.projected_in_flight == pytest.approx(18 + 18)  # growth capped at doubling
+    assert decision.desired_replicas == 9
+    assert "expected in 10.0s" in decision.describe()
+
+
+def test_steady_or_falling_load_is_never_anticipated() -> None:
+    steady = make_policy(anticipate=True)
+    plain = make_policy()
+    for t, load in enumerate([12.0] * 20 + [12.0 - 0.5 * t for t in range(20)]):
+        a = steady.decide(t, load, ready_replicas=3, time_to_ready_s=30)
+        b = plain.decide(t, load, ready_replicas=3, time_to_ready_s=30)
+        assert a.projected_in_flight == load
+        assert a.desired_replicas == b.desired_replicas
+
+
+def test_without_a_time_to_ready_the_configured_initial_one_is_assumed() -> None:
+    policy = make_policy(anticipate=True, initial_time_to_ready_s=4, scale_up_window_s=0)
+    policy.decide(0, in_flight=0, ready_replicas=1)
+    decision = policy.decide(1, in_flight=4, ready_replicas=1)
+    assert decision.time_to_ready_s == 4
+    assert decision.projected_in_flight == 4 + 4  # +4/s over 4 s, capped at doubling
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    loads=st.lists(st.floats(0, 100), min_size=1, max_size=60),
+    start_s=st.sampled_from([0, 5, 30]),
+)
+def test_anticipation_stays_in_bounds_and_within_a_doubling(
+    loads: list[float], start_s: float
+) -> None:
+    policy = make_policy(min_replicas=1, max_replicas=8, anticipate=True)
+    fleet = Fleet(policy, ready=1, start_s=start_s)
+    for t, in_flight in enumerate(loads):
+        decision = fleet.tick(t, in_flight)
+        assert 1 <= decision.desired_replicas <= 8
+        assert in_flight <= decision.projected_in_flight <= in_flight + max(in_flight, 4)
+        recent = loads[max(0, t - 60) : t + 1]
+        need = max(policy.recommend(x + max(x, 4)) for x in recent)
+        assert fleet.ready + len(fleet.starting) <= need

@@ -11,7 +11,13 @@ alike:
 - scale down to the HIGHEST recommendation in the last `scale_down_window_s` (load
   must stay low for the whole long window before capacity goes);
 - capacity is ready + starting replicas: a replica still loading its model is capacity
-  on its way, so the policy does not ask for it again while it starts.
+  on its way, so the policy does not ask for it again while it starts;
+- with `anticipate` (the local fleet; an HPA has no such rule), a rising load is met where
+  it will be once a replica started now is ready: the in-flight trend (least-squares slope
+  over `trend_window_s`) extrapolated over the expected time to ready, which the caller
+  learns from the replicas it started. The growth counted is capped at a doubling of the
+  load (plus one replica's worth from idle), and a falling load is never anticipated:
+  capacity goes only after the long down-window, as without it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ class AutoscalerConfig(BaseModel):
     scale_down_window_s: float = Field(default=300.0, ge=0)
     max_scale_up_step: int | None = Field(default=None, ge=1)  # replicas per decision
     max_scale_down_step: int | None = Field(default=None, ge=1)
+    # Scale for the load expected once a replica started now is ready (see the module doc).
+    anticipate: bool = True
+    trend_window_s: float = Field(default=10.0, gt=0)
+    # The time to ready assumed before the fleet has timed a replica of its own.
+    initial_time_to_ready_s: float = Field(default=10.0, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalerConfig:
@@ -56,8 +67,12 @@ class ScaleReason(StrEnum):
 class ScaleDecision:
     desired_replicas: int
     current_replicas: int  # ready + starting
-    recommendation: int  # this call's clamped ceil(in_flight / target), before stabilization
+    recommendation: int  # this call's clamped ceil(load / target), before stabilization
     reason: ScaleReason
+    # The load the recommendation is for: the in-flight count now, or where its trend
+    # will have taken it after `time_to_ready_s` (with `anticipate`).
+    projected_in_flight: float = 0.0
+    time_to_ready_s: float = 0.0
 
     @property
     def delta(self) -> int:
@@ -66,7 +81,8 @@ class ScaleDecision:
     def describe(self) -> str:
         return (
             f"{self.reason}: {self.current_replicas} -> {self.desired_replicas} replicas "
-            f"(load asks for {self.recommendation})"
+            f"(load asks for {self.recommendation}; {self.projected_in_flight:.1f} in flight "
+            f"expected in {self.time_to_ready_s:.1f}s)"
         )
 
 
@@ -92,6 +108,28 @@ class _WindowExtreme:
         return self._entries[0][1]
 
 
+class _Trend:
+    """The least-squares slope of the samples pushed in the last `window_s` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def push(self, now: float, value: float) -> float:
+        self._samples.append((now, value))
+        while self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        n = len(self._samples)
+        if n < 2:
+            return 0.0
+        mean_t = sum(t for t, _ in self._samples) / n
+        mean_v = sum(v for _, v in self._samples) / n
+        spread = sum((t - mean_t) ** 2 for t, _ in self._samples)
+        if spread == 0:
+            return 0.0
+        return sum((t - mean_t) * (v - mean_v) for t, v in self._samples) / spread
+
+
 class AutoscalerPolicy:
     """Call `decide` on every control tick; act on `desired_replicas`."""
 
@@ -99,20 +137,41 @@ class AutoscalerPolicy:
         self.config = config or AutoscalerConfig()
         self._up = _WindowExtreme(self.config.scale_up_window_s, keep_max=False)
         self._down = _WindowExtreme(self.config.scale_down_window_s, keep_max=True)
+        self._trend = _Trend(self.config.trend_window_s)
 
     def recommend(self, in_flight: float) -> int:
         config = self.config
         wanted = math.ceil(max(0.0, in_flight) / config.target_concurrency)
         return min(config.max_replicas, max(config.min_replicas, wanted))
 
+    def project(self, now: float, in_flight: float, time_to_ready_s: float) -> float:
+        """The load to provision for: `in_flight`, plus its rising trend over
+        `time_to_ready_s` with `anticipate`, the growth capped at a doubling (one
+        replica's worth from idle)."""
+        slope = self._trend.push(now, in_flight)
+        if not self.config.anticipate or slope <= 0:
+            return in_flight
+        cap = max(in_flight, self.config.target_concurrency)
+        return in_flight + min(cap, slope * time_to_ready_s)
+
     def decide(
-        self, now: float, in_flight: float, ready_replicas: int, starting_replicas: int = 0
+        self,
+        now: float,
+        in_flight: float,
+        ready_replicas: int,
+        starting_replicas: int = 0,
+        time_to_ready_s: float | None = None,
     ) -> ScaleDecision:
         """`in_flight`: requests in flight or waiting across the fleet; replicas being
-        drained count in neither replica argument. `now` must not go backwards."""
+        drained count in neither replica argument. `time_to_ready_s`: how long a replica
+        started now is expected to take (None: `initial_time_to_ready_s`). `now` must not
+        go backwards."""
         config = self.config
         current = ready_replicas + starting_replicas
-        recommendation = self.recommend(in_flight)
+        if time_to_ready_s is None:
+            time_to_ready_s = config.initial_time_to_ready_s
+        projected = self.project(now, max(0.0, in_flight), time_to_ready_s)
+        recommendation = self.recommend(projected)
         up_to = self._up.push(now, recommendation)
         down_to = self._down.push(now, recommendation)
         if current < up_to:
@@ -137,4 +196,4 @@ class AutoscalerPolicy:
             reason = ScaleReason.SCALE_UP
         elif desired < current:
             reason = ScaleReason.SCALE_DOWN
-        return ScaleDecision(desired, current, recommendation, reason)
+        return ScaleDecision(desired, current, recommendation, reason, projected, time_to_ready_s)

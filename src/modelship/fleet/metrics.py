@@ -3,7 +3,7 @@ registry, so one `/metrics` scrape shows the fleet and its traffic under one pre
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from modelship.gateway.metrics import PREFIX
 
@@ -37,5 +37,17 @@ class FleetMetrics:
             PREFIX + "scale_events",
             "Replicas started or drained by the autoscaler.",
             ["track", "direction"],
+            registry=registry,
+        )
+        self.projected_in_flight = Gauge(
+            PREFIX + "autoscaler_projected_in_flight",
+            "The stable track's load the autoscaler provisions for: requests in flight now, "
+            "or where their rising trend will be once a replica started now is ready.",
+            registry=registry,
+        )
+        self.expected_time_to_ready = Gauge(
+            PREFIX + "autoscaler_expected_time_to_ready_seconds",
+            "The median of the latest stable replicas' times to ready: how far ahead a "
+            "scale-out looks.",
             registry=registry,
         )

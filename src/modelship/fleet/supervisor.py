@@ -8,7 +8,9 @@ nothing for `max_unresponsive_s` (hung); a canary whose replicas keep failing is
 (`on_canary_failed`: the fleet rolls it back); (2) drains replicas
 of a release no longer wanted, once the wanted release has a ready replica; (3) asks the
 autoscaler policy how many stable replicas the load needs and starts or drains the
-difference. With `warm_pool`, that many more stable replicas are kept ready but out of
+difference, for the load expected once a replica started now would be ready (the policy
+extrapolates the in-flight trend over the median of the recorded times to ready). With
+`warm_pool`, that many more stable replicas are kept ready but out of
 routing (STANDBY): a scale-out routes one of them at once and starts a replacement, and a
 scale-in parks an idle routed replica there rather than stopping it. Draining means: out
 of routing at once, SIGTERM once the gateway has no request in flight there (the replica
@@ -22,8 +24,10 @@ import contextlib
 import dataclasses
 import logging
 import re
+import statistics
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -81,7 +85,8 @@ class _TrackState:
     num_crashes: int = 0  # consecutive, reset when a replica becomes ready
     num_failures: int = 0  # every crash or replacement since the target was set
     next_start_at: float = 0.0
-    time_to_ready_s: list[float] = field(default_factory=list)
+    # The latest replicas' times from start to /ready: what a scale-out waits for.
+    time_to_ready_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     routable_wanted: int = 0  # replicas the autoscaler wants in routing (the rest: warm pool)
     short_since: float | None = None  # routing has had fewer replicas than wanted since
 
@@ -128,6 +133,13 @@ class Supervisor:
 
     def time_to_ready_s(self, track: Track = Track.STABLE) -> list[float]:
         return list(self.tracks[track].time_to_ready_s)
+
+    def expected_time_to_ready_s(self) -> float:
+        """How long a stable replica started now will take to become ready: the median of
+        the latest recorded starts (one slow first start, e.g. a kernel build, does not
+        set it), `initial_time_to_ready_s` before any."""
+        times = self.tracks[Track.STABLE].time_to_ready_s
+        return statistics.median(times) if times else self.config.initial_time_to_ready_s
 
     def count(self, track: Track, *states: ReplicaState, current: bool = True) -> int:
         target = self.tracks[track].target
@@ -313,7 +325,11 @@ class Supervisor:
             in_flight=self.pool.in_flight(Track.STABLE),
             ready_replicas=ready,
             starting_replicas=starting,
+            time_to_ready_s=self.expected_time_to_ready_s(),
         )
+        if self.metrics is not None:
+            self.metrics.projected_in_flight.set(decision.projected_in_flight)
+            self.metrics.expected_time_to_ready.set(decision.time_to_ready_s)
         state.desired = decision.desired_replicas
         return decision.desired_replicas
 

@@ -335,14 +335,25 @@ def test_int8_head_option_errors(tiny_llama_dir: Path) -> None:
     assert load_model(tiny_llama_dir).int8_head is None  # auto: dense checkpoints keep theirs
 
 
-def test_a_stale_kernel_build_lock_is_removed(tmp_path: Path) -> None:
-    import os
+def test_a_killed_builds_lock_is_removed_and_a_live_builder_waited_for(tmp_path: Path) -> None:
+    import subprocess
+    import sys
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    cpu_kernels._remove_stale_lock(tmp_path)
-    assert lock.exists()  # a build may be running: keep a fresh lock
-    old = lock.stat().st_mtime - 16 * 60
-    os.utime(lock, (old, old))
-    cpu_kernels._remove_stale_lock(tmp_path)
-    assert not lock.exists()
+    (tmp_path / "lock").touch()  # torch's build lock, left by a build killed mid-way
+    with cpu_kernels._one_builder(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    # A live builder holds the flock: the next one enters only after it is done.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import fcntl, sys, time, pathlib\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "f = open(d / 'modelship.flock', 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "(d / 'lock').touch(); print('held', flush=True); time.sleep(1)\n"
+            "(d / 'lock').unlink(); (d / 'built').touch()\n"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with cpu_kernels._one_builder(tmp_path):
+        assert (tmp_path / "built").exists()  # it finished its build before we entered
+    assert holder.wait(timeout=30) == 0

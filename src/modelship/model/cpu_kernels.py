@@ -10,17 +10,22 @@
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
 kernels. The build is a torch C++ extension compiled with ninja into torch's extension
 cache (`TORCH_EXTENSIONS_DIR`) under a name that carries a digest of the sources and flags,
-so a machine compiles each version once (`make setup` does it ahead of time), later loads
-take milliseconds, and checkouts of different versions sharing the cache do not rebuild
-over each other's library.
+so a machine compiles each version once per checkout (`make setup` does it ahead of
+time), later loads take milliseconds, and checkouts sharing the cache do not rebuild over
+each other's library (the digest covers the sources' folder too: torch regenerates a build
+file that names other source paths, and ninja then rebuilds). Builders and loaders of one
+build folder take turns under an `fcntl.flock` the kernel releases when its holder dies, so
+a torch build lock found by the holder can only have been left by a killed build.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,9 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _NAME = "modelship_cpu_kernels"
-# A build takes ~1-2 minutes here; a lock this old was left by a builder that was killed,
-# and torch would wait on it forever (every replica start would hang).
-_STALE_LOCK_S = 15 * 60
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("q4_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp")]
 _HEADERS = [_CSRC / "cpu_kernels.h"]
@@ -59,15 +61,15 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         name = _build_name()
-        _remove_stale_lock(Path(cpp_extension._get_build_directory(name, False)))
-        cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _one_builder(Path(cpp_extension._get_build_directory(name, False))):
+            cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in _SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler or ninja: torch's kernel still works
         logger.warning("modelship CPU kernels unavailable (%s); using torch's int4 kernel", exc)
         return False
@@ -78,20 +80,25 @@ def _build_name() -> str:
     """`_NAME` plus a digest of what goes into the build (torch's own check is per process,
     and one build directory per name would be relinked by whichever version loads last)."""
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    digest.update(str(_CSRC.resolve()).encode())
     for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
-def _remove_stale_lock(build_dir: Path) -> None:
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > _STALE_LOCK_S:
-        logger.warning("removing a stale kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _one_builder(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's flock while building or loading. torch's own lock is a file
+    that waits forever once its builder was killed (every replica start would hang); under
+    the flock, no live builder can hold one, so any found is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "modelship.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("removing the build lock of a killed kernel build: %s", baton)
+            baton.unlink(missing_ok=True)
+        yield
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:

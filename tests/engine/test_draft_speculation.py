@@ -45,7 +45,8 @@ def noisy_draft(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def _draft_config(draft: Path, **overrides) -> SpeculativeConfig:
-    settings = dict(num_tokens=4, by_default=True, max_batch_size=512)
+    # rows free: every sequence drafts whatever the batch, so drafts are always at stake
+    settings = dict(num_tokens=4, by_default=True, max_batch_size=512, draft_token_cost=0.0)
     return SpeculativeConfig(method="draft", draft_model=str(draft), **{**settings, **overrides})
 
 

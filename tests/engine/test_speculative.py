@@ -13,11 +13,11 @@ import pytest
 from modelship.engine import LLM, SamplingParams
 from modelship.engine.sequence import Sequence
 from modelship.engine.speculative import (
-    MIN_ACCEPTANCE_RATE,
-    PROBE_DRAFT_TOKENS,
+    MIN_GAIN,
     SpeculationTracker,
     SpeculativeConfig,
     accepted_prefix,
+    expected_gain,
     propose_ngram,
 )
 
@@ -42,18 +42,46 @@ def test_verification_keeps_matching_drafts_and_the_sample_after_them() -> None:
     assert accepted_prefix([], [5]) == [5]
 
 
-def test_a_sequence_whose_drafts_keep_failing_stops_drafting() -> None:
-    tracker = SpeculationTracker(SpeculativeConfig(num_tokens=4))
+def test_the_expected_gain_weighs_accepted_runs_against_the_rows_they_cost() -> None:
+    assert expected_gain(0.0, 4, 0.3) == pytest.approx(1 / 2.2)  # only the correction
+    assert expected_gain(1.0, 4, 0.0) == 5  # every draft and the bonus, rows free
+    assert expected_gain(0.5, 2, 0.0) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_gain(0.7, 1, 0.3) == pytest.approx(1.7 / 1.3)
+
+
+def test_each_sequence_drafts_what_pays_and_stops_when_nothing_does() -> None:
+    tracker = SpeculationTracker(SpeculativeConfig(num_tokens=8, draft_token_cost=0.3))
     seq = Sequence("s", [1, 2, 3], SamplingParams())
-    assert tracker.wants(seq, True) and not tracker.wants(seq, False)
-    tracker.record("s", PROBE_DRAFT_TOKENS, int(MIN_ACCEPTANCE_RATE * PROBE_DRAFT_TOKENS) - 1)
-    assert not tracker.wants(seq, True)
-    tracker.forget("s")
-    assert tracker.wants(seq, True)
+    fresh = tracker.num_to_draft(seq, True, room=100)
+    assert fresh >= 1 and tracker.num_to_draft(seq, False, room=100) == 0
+    assert tracker.num_to_draft(seq, True, room=1) == 1  # never past max_tokens
+    # Quoting text: long accepted runs -> the most drafts.
     good = Sequence("g", [1, 2, 3], SamplingParams())
-    tracker.record("g", PROBE_DRAFT_TOKENS, PROBE_DRAFT_TOKENS)
-    assert tracker.wants(good, True)
-    assert (tracker.num_drafts, tracker.num_draft_tokens) == (2, 2 * PROBE_DRAFT_TOKENS)
+    for _ in range(10):
+        tracker.record("g", 8, 8)
+    assert tracker.num_to_draft(good, True, room=100) == 8
+    # In a batch the other sequences wait for the drafted rows: fewer pay, none at 0.8.
+    assert 0 < tracker.num_to_draft(good, True, room=100, batch_size=8) < 8
+    tracker.record("m", 10, 8)  # acceptance (8 + 3) / (8 + 2 + 4) ~ 0.79
+    middling = Sequence("m", [1], SamplingParams())
+    assert tracker.num_to_draft(middling, True, room=100, batch_size=8) == 0
+    assert tracker.num_to_draft(middling, True, room=100) > 0  # not stopped: alone it pays
+    # Open text: every draft rejected -> fewer drafts, then none, for good.
+    counts = []
+    for _ in range(6):
+        counts.append(tracker.num_to_draft(seq, True, room=100))
+        if counts[-1]:
+            tracker.record("s", counts[-1], 0)
+    assert counts[0] == fresh and counts[-1] == 0 and counts == sorted(counts, reverse=True)
+    assert max(expected_gain(tracker.acceptance("s"), k, 0.3) for k in range(1, 9)) < MIN_GAIN
+    tracker.record("s", 4, 4)  # a stopped sequence does not come back on its own
+    assert tracker.num_to_draft(seq, True, room=100) == 0
+    tracker.forget("s")
+    assert tracker.num_to_draft(seq, True, room=100) == fresh
+    # Free rows (a GPU): even a poor acceptance drafts every token it may.
+    free = SpeculationTracker(SpeculativeConfig(num_tokens=4, draft_token_cost=0.0))
+    free.record("f", 4, 1)
+    assert free.num_to_draft(Sequence("f", [1], SamplingParams()), True, room=100) == 4
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +90,10 @@ def engines(tiny_llama_dir: Path):
     spec = LLM(
         tiny_llama_dir,
         num_kv_blocks=256,
-        speculative=SpeculativeConfig(num_tokens=4, by_default=True, max_batch_size=512),
+        # rows free: every sequence drafts whatever the batch, so drafts are always at stake
+        speculative=SpeculativeConfig(
+            num_tokens=4, by_default=True, max_batch_size=512, draft_token_cost=0.0
+        ),
     )
     return plain, spec
 

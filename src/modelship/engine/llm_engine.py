@@ -415,16 +415,17 @@ class LLMEngine:
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # in prefill
             params = seq.params
-            if not speculation.wants(seq, params.speculative):
-                continue
             # Room: every accepted draft and the token after it are output tokens.
             room = self.max_model_len - seq.num_tokens - 1
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+            num_drafts = speculation.num_to_draft(seq, params.speculative, room, len(running))
+            if num_drafts == 0:
+                continue
             if self._draft is not None:
-                seq.draft_token_ids = [0] * max(0, min(speculation.config.num_tokens, room))
+                seq.draft_token_ids = [0] * num_drafts
             else:
-                seq.draft_token_ids = speculation.propose(seq, room)
+                seq.draft_token_ids = speculation.propose(seq, num_drafts)
 
     def _fail(self, seq: Sequence, exc: Exception) -> list[SequenceDelta]:
         """End the request of `seq` with an error: its sequences are aborted (blocks

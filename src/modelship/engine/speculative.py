@@ -22,8 +22,17 @@ on rejection emit a draw from normalize(max(0, p - q)), and when all k are accep
 bonus token is the row's own draw from p. Greedy rows keep the rule above (accept iff
 argmax p == d): tokens identical to plain decoding.
 
-Drafting costs a step k more rows; a sequence whose drafts keep being rejected stops
-drafting (`SpeculationTracker`), so open-ended text is not slowed by it.
+Drafting costs a step k more rows, and on a CPU rows are not free: a step verifying 4
+drafts of the demo model's int4 release costs about 2.2 plain steps. So each step every
+sequence drafts the number of tokens that pays best for it (`SpeculationTracker`): with
+alpha its estimated chance that a draft is accepted (accepted drafts over accepted drafts
+plus rejections, starting from an optimistic prior), k drafts emit (1 - alpha^(k+1)) /
+(1 - alpha) tokens for 1 + k x `draft_token_cost` steps' time; the k in 1..num_tokens with
+the best ratio is drafted, none when no k gains at least `MIN_GAIN`. In a batch the
+other sequences wait for the drafted rows too, so a drafted token costs more there; a
+sequence for which no k would pay even alone stops drafting. Open-ended text, where few
+drafts are accepted, stops after a few cheap one-token probes; text that quotes its input
+drafts long runs.
 """
 
 from __future__ import annotations
@@ -36,10 +45,24 @@ import torch
 
 from modelship.engine.sequence import Sequence
 
-# A sequence stops drafting once this many of its draft tokens were checked and fewer than
-# this share was accepted: below it, a CPU step's extra rows cost more than they save.
-PROBE_DRAFT_TOKENS = 16
-MIN_ACCEPTANCE_RATE = 0.3
+# The prior of a sequence's acceptance estimate: as if it had had this many drafts accepted
+# and rejected (3 in 4: a fresh sequence drafts, and two or three failed probes stop it).
+PRIOR_ACCEPTED = 3.0
+PRIOR_REJECTED = 1.0
+# Draft only when the expected tokens per unit of step time beat plain decoding by this
+# much: the estimate is rough, and the lookup has its own cost.
+MIN_GAIN = 1.05
+
+
+def expected_gain(acceptance: float, num_drafts: int, draft_token_cost: float) -> float:
+    """Tokens per plain step's time with `num_drafts` drafts: each draft is accepted with
+    probability `acceptance` given the one before it was; the step emits the accepted run
+    and the token after it, and costs 1 + num_drafts x draft_token_cost plain steps."""
+    if acceptance >= 1.0:
+        tokens = num_drafts + 1.0
+    else:
+        tokens = (1.0 - acceptance ** (num_drafts + 1)) / (1.0 - acceptance)
+    return tokens / (1.0 + num_drafts * draft_token_cost)
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,10 @@ class SpeculativeConfig:
     # "ngram": prompt lookup; "draft": a smaller model of the same tokenizer at `draft_model`
     method: Literal["ngram", "draft"] = "ngram"
     draft_model: str | None = None
+    # What a drafted token adds to a step's time, as a share of a plain decode step: about
+    # 0.3 for the demo model's int4 release on a 2-core AVX2 CPU (benchmarks/speculative.py),
+    # near 0 on a GPU; a draft model's own step adds to it.
+    draft_token_cost: float = 0.3
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -62,6 +89,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_model (the draft model's path) goes with method 'draft'")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+        if self.draft_token_cost < 0:
+            raise ValueError("draft_token_cost must be >= 0")
 
 
 def propose_ngram(
@@ -136,37 +165,60 @@ def verify_draft_probs(
 
 
 class SpeculationTracker:
-    """Per-sequence draft accounting and the engine's counters (vLLM's metric names)."""
+    """Per-sequence acceptance and the number of drafts that pays for it, and the engine's
+    counters (vLLM's metric names)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.num_drafts = 0  # verified steps that carried drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self._per_seq: dict[str, list[int]] = {}  # seq_id -> [drafted, accepted]
+        self._per_seq: dict[str, list[int]] = {}  # seq_id -> [accepted, rejections]
+        self._stopped: set[str] = set()  # sequences whose drafts no longer pay
 
-    def wants(self, seq: Sequence, speculate: bool | None) -> bool:
-        """Whether `seq` drafts this step: it asked to (None: the engine's default) and its
-        drafts have not kept failing."""
+    def acceptance(self, seq_id: str) -> float:
+        """The estimated chance that a draft of `seq_id` is accepted, given the one before
+        it was: accepted drafts over accepted drafts plus rejections, with the prior."""
+        accepted, rejections = self._per_seq.get(seq_id, (0, 0))
+        return (accepted + PRIOR_ACCEPTED) / (
+            accepted + rejections + PRIOR_ACCEPTED + PRIOR_REJECTED
+        )
+
+    def num_to_draft(
+        self, seq: Sequence, speculate: bool | None, room: int, batch_size: int = 1
+    ) -> int:
+        """How many tokens `seq` drafts this step (0: none): it asked to (None: the
+        engine's default), and the k in 1..min(num_tokens, room) with the best expected
+        gain gains at least MIN_GAIN. In a step of `batch_size` sequences, every one of
+        them waits for the drafted rows: a row costs c x B / (1 + c x (B - 1)) of the plain
+        step, c = `draft_token_cost` (at B = 8 and c = 0.3: 0.77). A sequence for which no
+        k would pay even alone stops drafting."""
         if not (self.config.by_default if speculate is None else speculate):
-            return False
-        drafted, accepted = self._per_seq.get(seq.seq_id, (0, 0))
-        return drafted < PROBE_DRAFT_TOKENS or accepted >= MIN_ACCEPTANCE_RATE * drafted
+            return 0
+        if seq.seq_id in self._stopped or room < 1:
+            return 0
+        alpha = self.acceptance(seq.seq_id)
+        alone = self.config.draft_token_cost
+        most = min(self.config.num_tokens, room)
+        if max(expected_gain(alpha, k, alone) for k in range(1, most + 1)) < MIN_GAIN:
+            self._stopped.add(seq.seq_id)
+            return 0
+        cost = alone * batch_size / (1.0 + alone * (batch_size - 1))
+        gain, best = max((expected_gain(alpha, k, cost), k) for k in range(1, most + 1))
+        return best if gain >= MIN_GAIN else 0
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
         config = self.config
-        limit = min(config.num_tokens, max_tokens)
-        if limit < 1:
-            return []
-        return propose_ngram(seq.token_ids, limit, config.min_ngram, config.max_ngram)
+        return propose_ngram(seq.token_ids, num_tokens, config.min_ngram, config.max_ngram)
 
     def record(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         counts = self._per_seq.setdefault(seq_id, [0, 0])
-        counts[0] += num_drafted
-        counts[1] += num_accepted
+        counts[0] += num_accepted
+        counts[1] += int(num_accepted < num_drafted)
 
     def forget(self, seq_id: str) -> None:
         self._per_seq.pop(seq_id, None)
+        self._stopped.discard(seq_id)

@@ -122,6 +122,10 @@ def test_our_engine_runs_modelship_serve_with_engine_flags() -> None:
         "--served-model-name", NAME, *config.serve.engine.cli_args()[:1],
     ]  # fmt: skip
     assert container["args"][-4:] == ["--grace-period", "30", "--stall-timeout", "120"]
+    flags = container["args"]
+    assert flags[flags.index("--max-n") + 1] == "16"  # the gateway's caps, as `up` gives them
+    assert flags[flags.index("--log-format") + 1] == "text"
+    assert "--trace-exporter" not in flags  # tracing off by default
     mount = container["volumeMounts"][0]
     assert mount == {"name": "data", "mountPath": "/data", "readOnly": True}
 
@@ -421,3 +425,19 @@ def test_a_draft_model_renders_for_both_engines() -> None:
             assert spec == {"model": "/data/models/draft", "num_speculative_tokens": 4}
         else:
             assert args[args.index("--speculative-model") + 1] == "/data/models/draft"
+
+
+def test_replicas_get_the_log_format_tracing_and_request_caps() -> None:
+    config = config_for(
+        "deployment",
+        log_format="json",
+        tracing={"exporter": "otlp", "endpoint": "http://otel-collector:4318", "sample_ratio": 0.1},
+        gateway={"request_limits": {"max_n": 4}},
+    )
+    _, container = engine_pod(render(config).objects, "deployment")
+    flags = container["args"]
+    pairs = dict(itertools.pairwise(flags))
+    assert pairs["--log-format"] == "json" and pairs["--max-n"] == "4"
+    assert pairs["--trace-exporter"] == "otlp"
+    assert pairs["--trace-endpoint"] == "http://otel-collector:4318"
+    assert pairs["--trace-sample-ratio"] == "0.1"

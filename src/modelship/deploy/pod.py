@@ -134,7 +134,7 @@ def engine_flags(ctx: RenderContext) -> list[str]:
     """Engine options after the model/name/address flags (the chart's `engine.flags`)."""
     engine = ctx.config.serve.engine
     if ctx.serving.engine == "ours":
-        return engine.cli_args()
+        return [*engine.cli_args(), *replica_flags(ctx)]
     # vLLM spellings of the options both engines share; the variants are compressed-tensors.
     flags = [
         "--max-num-seqs", str(engine.max_num_seqs),
@@ -186,6 +186,31 @@ def engine_args(ctx: RenderContext, model_dir: str) -> tuple[list[str], list[str
         "--stall-timeout", grace_period_arg(ctx.config.serve.stall_timeout_s),
     ]  # fmt: skip
     return ["modelship"], args
+
+
+def replica_flags(ctx: RenderContext) -> list[str]:
+    """What `modelship up` gives its replicas besides the engine options: the gateway's
+    request caps (a replica refusing what the gateway let through would be a 400 nobody
+    can explain), the log format and tracing (a file exporter's path is the pod's own)."""
+    config = ctx.config
+    limits = config.gateway.request_limits
+    flags = [
+        "--max-n", str(limits.max_n),
+        "--max-stop", str(limits.max_stop),
+        "--max-stop-chars", str(limits.max_stop_chars),
+        "--max-prompts", str(limits.max_prompts),
+        "--max-body-mb", str(limits.max_body_mb),
+        "--log-format", config.log_format,
+    ]  # fmt: skip
+    tracing = config.tracing
+    if tracing.is_enabled:
+        flags += ["--trace-exporter", tracing.exporter,
+                  "--trace-sample-ratio", str(tracing.sample_ratio)]  # fmt: skip
+        if tracing.endpoint:
+            flags += ["--trace-endpoint", tracing.endpoint]
+        if tracing.file is not None:
+            flags += ["--trace-file", str(tracing.file)]
+    return flags
 
 
 def engine_container(

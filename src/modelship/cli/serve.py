@@ -144,6 +144,13 @@ def serve(
     max_loras: Annotated[
         int, typer.Option(help="LoRA adapters resident at once (least recently used evicted).")
     ] = 4,
+    enable_lora_admin: Annotated[
+        bool,
+        typer.Option(
+            help="Let holders of the API key load and unload LoRA adapters at runtime "
+            "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."
+        ),
+    ] = False,
     max_n: Annotated[int, typer.Option(help="Most completions (n) per request.")] = 16,
     max_stop: Annotated[
         int, typer.Option(help="Most stop strings (and stop token ids) per request.")
@@ -249,6 +256,8 @@ def serve(
         if lora:
             adapters = _parse_loras(lora, served_model_name or model_dir.resolve().name)
             config = dataclasses.replace(config, loras=adapters, max_loras=max_loras)
+        if enable_lora_admin:  # the projections hooked even before any adapter arrives
+            config = dataclasses.replace(config, enable_lora=True, max_loras=max_loras)
         if trace_exporter is TraceExporter.file and trace_file is None:
             fail("--trace-exporter file needs --trace-file PATH", CONFIG_EXIT_CODE)
         tracing = TracingConfig(
@@ -278,6 +287,7 @@ def serve(
         engine_process=engine_process,
         stall_timeout_s=stall_timeout,
         tracing=tracing,
+        lora_admin=enable_lora_admin,
     )
     if code:
         raise typer.Exit(code)

@@ -52,12 +52,22 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _LoRACall:
+    """Load or unload a LoRA adapter between two steps (`LLMEngine.load_lora` /
+    `unload_lora`), answered through `done`."""
+
+    method: str  # "load_lora" | "unload_lora"
+    args: tuple
+    done: Future
+
+
 class AsyncLLMEngine:
     """Async front of one `LLMEngine`, safe to call from one event loop."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _LoRACall | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[SequenceDelta | BaseException], None]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> sequences not finished yet
         self._stats = engine.stats()
@@ -139,6 +149,26 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register and load a LoRA adapter between two steps (`LLMEngine.load_lora`):
+        raises `LoRAError` for a folder that is not a usable adapter."""
+        await self._lora_call("load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget an adapter (KeyError if unknown); running requests keep its weights."""
+        await self._lora_call("unload_lora", name)
+
+    def lora_names(self) -> list[str]:
+        return self.engine.loras.names() if self.engine.loras is not None else []
+
+    async def _lora_call(self, method: str, *args: str) -> None:
+        done: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                raise EngineDeadError(str(self._error))
+            self._inbox.put(_LoRACall(method, args, done))
+        await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._stopped.wait(timeout=30)
@@ -177,6 +207,15 @@ class AsyncLLMEngine:
             block = False
             if message is None:
                 return False
+            if isinstance(message, _LoRACall):
+                if message.done.set_running_or_notify_cancel():
+                    try:
+                        getattr(self.engine, message.method)(*message.args)
+                    except Exception as exc:  # a bad folder or name: the engine is unchanged
+                        message.done.set_exception(exc)
+                    else:
+                        message.done.set_result(None)
+                continue
             if isinstance(message, _Abort):
                 for delta in self.engine.abort(message.request_id):
                     self._dispatch(delta)

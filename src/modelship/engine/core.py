@@ -8,7 +8,8 @@ for the event loop.
 
 Wire (two pipes, `multiprocessing.connection` framing, pickled tuples):
 - client -> core: `("add", request_id, token_ids, params, priority, cache_salt, lora)`,
-  `("abort", request_id)`, `None` (shut down). The first message is
+  `("abort", request_id)`, `("lora", call_id, method, args)` (load or unload an adapter,
+  acked like an add), `None` (shut down). The first message is
   `(model_path, EngineConfig)`.
 - core -> client: `("ready",)` once the model is loaded, then one
   `("step", acks, deltas, stats)` per loop turn that has news, where each ack is
@@ -54,6 +55,8 @@ _F_SETPIPE_SZ = 1031  # Linux fcntl command
 # Admission errors cross the pipe as (kind, message, detail): the exception classes take
 # other constructor arguments than they keep in `args`, so they do not unpickle as such.
 def _encode_error(exc: Exception) -> tuple[str, str, Any]:
+    if isinstance(exc, KeyError):  # an unknown adapter (a LoRAError is a ValueError)
+        return ("key", str(exc.args[0]) if exc.args else "", None)
     if isinstance(exc, EngineOverloadedError):
         return ("overloaded", exc.reason, exc.retry_after_s)
     if isinstance(exc, InvalidParamsError):
@@ -66,6 +69,8 @@ def _encode_error(exc: Exception) -> tuple[str, str, Any]:
 
 
 def _decode_error(kind: str, message: str, detail: Any) -> Exception:
+    if kind == "key":
+        return KeyError(message)
     if kind == "overloaded":
         return EngineOverloadedError(message, detail)
     if kind == "params":
@@ -111,6 +116,15 @@ class EngineCore:
     def _apply(self, message: tuple, acks: list, deltas: list) -> None:
         if message[0] == "abort":
             deltas.extend(self.engine.abort(message[1]))
+            return
+        if message[0] == "lora":
+            _, call_id, method, args = message
+            try:
+                getattr(self.engine, method)(*args)  # load_lora / unload_lora
+            except Exception as exc:  # a bad folder or name: the engine is unchanged
+                acks.append((call_id, _encode_error(exc)))
+                return
+            acks.append((call_id, None))
             return
         _, request_id, token_ids, params, priority, cache_salt, lora = message
         try:
@@ -204,6 +218,8 @@ class EngineCoreClient:
         self._error: EngineDeadError | None = None
         self._crashed = False
         self._last_heard = time.monotonic()  # when the core last sent anything
+        self._lora_names = [name for name, _ in self.config.loras]
+        self._num_calls = 0
 
     @classmethod
     def from_model(cls, model_path: str | Path, config: EngineConfig | None = None):
@@ -275,6 +291,32 @@ class EngineCoreClient:
         finally:
             self._admissions.pop(request_id, None)
         return stream_deltas(stream.queue, params.n, lambda: self.abort(request_id))
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """As `AsyncLLMEngine.load_lora`, in the core process."""
+        await self._lora_call("load_lora", name, path)
+        self._lora_names = [*[n for n in self._lora_names if n != name], name]
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_call("unload_lora", name)
+        self._lora_names = [n for n in self._lora_names if n != name]
+
+    def lora_names(self) -> list[str]:
+        return list(self._lora_names)
+
+    async def _lora_call(self, method: str, *args: str) -> None:
+        await self._wait_ready()
+        if self._error is not None:
+            raise EngineDeadError(str(self._error))
+        self._num_calls += 1
+        call_id = f"lora-call-{self._num_calls}"  # acked like an add, never a request id
+        done = asyncio.get_running_loop().create_future()
+        self._admissions[call_id] = done
+        try:
+            self._send(("lora", call_id, method, args))
+            await done
+        finally:
+            self._admissions.pop(call_id, None)
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -73,14 +73,24 @@ class LoRAAdapter:
             if not file.is_file():
                 raise LoRAError(f"LoRA adapter {name!r}: {file} does not exist")
         raw = config_file.read_bytes()
-        config = json.loads(raw)
+        try:
+            config = json.loads(raw)
+        except ValueError as exc:
+            raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
         _check_config(name, config)
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         blob = weights_file.read_bytes()
         digest = hashlib.sha256(raw + b"\0" + blob).hexdigest()[:32]
         key = f"{name}:{digest}"
-        tensors = load_file(str(weights_file))
+        try:
+            tensors = load_file(str(weights_file))
+        except Exception as exc:  # safetensors raises its own errors for a damaged file
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {weights_file} is not a readable safetensors file ({exc})"
+            ) from exc
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for tensor_key, tensor in tensors.items():
             parts = tensor_key.removeprefix(_PREFIX).split(".")

@@ -23,6 +23,7 @@ from modelship.server.errors import (
     APIError,
     AuthenticationError,
     BadRequestError,
+    ModelNotFoundError,
     RouteError,
     UnavailableError,
 )
@@ -58,6 +59,7 @@ def create_app(
     stall_timeout_s: float = 120.0,
     tracing: Tracing | None = None,
     adapters: tuple[str, ...] = (),
+    lora_admin: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -166,9 +168,30 @@ def create_app(
         cards = [p.ModelCard(id=model_name, max_model_len=serving.max_model_len)]
         cards += [
             p.ModelCard(id=name, parent=model_name, max_model_len=serving.max_model_len)
-            for name in adapters
+            for name in serving.adapters
         ]
         return p.ModelList(data=cards)
+
+    def check_lora_admin() -> None:
+        if not lora_admin:
+            raise ModelNotFoundError(
+                "loading LoRA adapters at runtime is off on this server "
+                "(start it with --enable-lora-admin)"
+            )
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authenticate)])
+    async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> JSONResponse:
+        check_lora_admin()
+        await serving.load_adapter(body)
+        logger.info("LoRA adapter %s loaded from %s", body.lora_name, body.lora_path)
+        return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "loaded"})
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authenticate)])
+    async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> JSONResponse:
+        check_lora_admin()
+        await serving.unload_adapter(body)
+        logger.info("LoRA adapter %s unloaded", body.lora_name)
+        return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat(body: p.ChatCompletionRequest, request: Request):

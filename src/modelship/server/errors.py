@@ -45,6 +45,15 @@ class ModelNotFoundError(APIError):
         return "model_not_found"
 
 
+class ConflictError(APIError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+    @property
+    def code(self) -> str:
+        return "conflict"
+
+
 class OverloadedError(APIError):
     status_code = 429
     error_type = "rate_limit_error"

@@ -62,6 +62,7 @@ def serve(
     engine_process: bool = True,
     stall_timeout_s: float = 120.0,
     tracing: TracingConfig | None = None,
+    lora_admin: bool = False,
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
     (a bound socket handed over by the parent process), listen on it instead of binding
@@ -81,6 +82,7 @@ def serve(
         stall_timeout_s=stall_timeout_s,
         tracing=tracer,
         adapters=tuple(name for name, _ in engine_config.loras) if engine_config else (),
+        lora_admin=lora_admin,
     )
     config = uvicorn.Config(
         app,

@@ -100,7 +100,11 @@ class ServerMetrics:
         self._success = counter(
             "request_success", "Finished requests by reason.", ("finished_reason",)
         )
-        self._labels = labels
+        self._labels = self.labels = labels
+        # Per adapter: only the names of served adapters, so the label set stays bounded.
+        self.lora_requests = counter(
+            "lora_requests", "Requests served by each LoRA adapter.", ("lora_name",)
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.").labels(
             **labels
         )

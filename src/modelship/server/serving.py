@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from modelship.engine import (
@@ -28,6 +29,7 @@ from modelship.server import protocol as p
 from modelship.server.errors import (
     APIError,
     BadRequestError,
+    ConflictError,
     ModelNotFoundError,
     OverloadedError,
     UnavailableError,
@@ -61,7 +63,8 @@ class OpenAIServing:
         adapters: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
-        self.adapters = adapters  # LoRA adapters served over the model, by name
+        # LoRA adapters served over the model, by name (runtime loads change it)
+        self.adapters: list[str] = list(adapters)
         self.tracing = tracing or Tracing()
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -83,6 +86,36 @@ class OpenAIServing:
                 param="model",
             )
         self.limits.check(request)
+
+    async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> None:
+        """Load a LoRA adapter at runtime (`POST /v1/load_lora_adapter`)."""
+        name, path = body.lora_name, Path(body.lora_path)
+        if name == self.model_name or name in self.adapters:
+            raise ConflictError(f"the name `{name}` is already served", "lora_name")
+        if not (path / "adapter_config.json").is_file():
+            raise BadRequestError(
+                f"{body.lora_path} has no adapter_config.json (not a PEFT adapter folder "
+                "this server can read)",
+                "lora_path",
+            )
+        try:
+            await self.engine.load_lora(name, str(path))
+        except ValueError as exc:  # LoRAError: the message names the field or file
+            raise BadRequestError(str(exc), "lora_path") from exc
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from exc
+        self.adapters.append(name)
+
+    async def unload_adapter(self, body: p.UnloadLoRAAdapterRequest) -> None:
+        """Stop serving an adapter (`POST /v1/unload_lora_adapter`): new requests for it get
+        404; running ones finish with the weights they started with."""
+        if body.lora_name not in self.adapters:
+            raise ModelNotFoundError(f"no LoRA adapter `{body.lora_name}` is loaded", "lora_name")
+        self.adapters.remove(body.lora_name)  # first: no new request starts on it
+        try:
+            await self.engine.unload_lora(body.lora_name)
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from exc
 
     def adapter_of(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> str | None:
         """The LoRA adapter a (checked) request names; None: the model itself."""
@@ -249,6 +282,8 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
         self.metrics.prompt_tokens.inc(len(prompt))
+        if lora is not None:  # a served adapter's name (checked), never a client string
+            self.metrics.lora_requests.labels(**self.metrics.labels, lora_name=lora).inc()
         last: dict[int, float] = {}
         # aclosing: a client that goes away closes this generator, which closes the engine
         # stream, which aborts the request and frees its KV blocks at once.

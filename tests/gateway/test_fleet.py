@@ -27,6 +27,7 @@ SLUG = "tiny"
 KEY = "sk-alpha-test"
 LIMITED_KEY = "sk-limited-test"
 BILLING_KEY = "sk-billing-test"
+OPEN_KEY = "sk-open-test"  # a tenant with no allow lists
 PRICE = {"input_per_1k": 0.5, "output_per_1k": 2.0}
 ADAPTER = "tiny-attn"  # a LoRA adapter every replica serves
 METRICS_KEY = "sk-metrics-test"
@@ -39,7 +40,13 @@ def fleet_config() -> dict:
         "serve": {"engine": {"max_model_len": 256, "kv_cache_memory_mb": 16}},
         "gateway": {
             "tenants": [
-                {"name": "alpha", "api_key_sha256": hash_api_key(KEY), "priority": "high"},
+                {
+                    "name": "alpha",
+                    "api_key_sha256": hash_api_key(KEY),
+                    "priority": "high",
+                    "allowed_adapters": [ADAPTER],  # private to alpha
+                },
+                {"name": "open", "api_key_sha256": hash_api_key(OPEN_KEY)},
                 {
                     "name": "limited",
                     "api_key_sha256": [hash_api_key(LIMITED_KEY)],
@@ -295,12 +302,14 @@ def test_every_dashboard_query_reads_a_live_metric(fleet: UpProcess):
     assert not missing, f"panels query series no component exposes: {sorted(missing)}"
 
 
-def test_adapters_are_models_tenants_may_be_kept_from(fleet: UpProcess):
+def test_an_adapter_is_private_to_the_tenants_allowed_it(fleet: UpProcess):
     listed = {card.id for card in client(fleet).models.list().data}
     assert listed == {SLUG, ADAPTER}
     answer = client(fleet).completions.create(model=ADAPTER, prompt="one two", max_tokens=4)
     assert answer.model == ADAPTER and answer.usage.completion_tokens == 4
-    limited = client(fleet, BILLING_KEY)  # allowed_models: [SLUG]
-    assert {card.id for card in limited.models.list().data} == {SLUG}
-    with pytest.raises(openai.PermissionDeniedError, match=ADAPTER):
-        limited.completions.create(model=ADAPTER, prompt="one two", max_tokens=4)
+    for key in (BILLING_KEY, OPEN_KEY):  # allowed_models: [SLUG]; none, but not alpha
+        other = client(fleet, key)
+        assert {card.id for card in other.models.list().data} == {SLUG}
+        with pytest.raises(openai.PermissionDeniedError, match=ADAPTER):
+            other.completions.create(model=ADAPTER, prompt="one two", max_tokens=4)
+        assert other.completions.create(model=SLUG, prompt="one", max_tokens=2).model == SLUG

@@ -223,6 +223,28 @@ def test_model_allow_list() -> None:
     assert admit(limiter, make_tenant(), model="anything").ok
 
 
+def test_an_adapter_a_tenant_lists_is_private_to_the_tenants_listing_it() -> None:
+    def config(name: str, **lists) -> TenantConfig:
+        return TenantConfig(name=name, api_key_sha256=hash_api_key(f"sk-{name}"), **lists)
+
+    registry = TenantRegistry([
+        config("sales", allowed_adapters=["sales-bot"]),
+        config("legal", allowed_models=["demo"], allowed_adapters=["contracts"]),
+        config("open"),
+        config("old", allowed_models=["demo", "summaries"]),
+    ])  # fmt: skip
+    sales, legal, open_, old = (registry.get(n) for n in ("sales", "legal", "open", "old"))
+    assert sales.may_use("sales-bot") and sales.may_use("demo") and sales.may_use("summaries")
+    assert not sales.may_use("contracts")  # another tenant's adapter, whatever else it may
+    assert legal.may_use("contracts") and legal.may_use("demo") and not legal.may_use("x")
+    assert not open_.may_use("sales-bot") and not open_.may_use("contracts")
+    assert open_.may_use("summaries")  # an adapter nobody lists is a model like any other
+    assert old.may_use("summaries") and not old.may_use("sales-bot")  # allowed_models as before
+    limiter = TenantLimiter()
+    refused = admit(limiter, open_, model="sales-bot")
+    assert refused.reason is RefusalReason.MODEL_NOT_ALLOWED and refused.status_code == 403
+
+
 def test_unlimited_tenant_charges_are_harmless() -> None:
     limiter, tenant = TenantLimiter(), make_tenant()
     for _ in range(1000):

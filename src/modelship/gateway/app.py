@@ -23,6 +23,7 @@ from modelship.gateway.canary import Track
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
 from modelship.gateway.service import GatewayService
+from modelship.gateway.tenants import Tenant
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -51,7 +52,7 @@ def create_gateway_app(
     async def models(request: Request) -> Response:
         try:
             tenant = service.authenticate(request)
-            return await _models_from_replica(service, tenant.config.allowed_models)
+            return await _models_from_replica(service, tenant)
         except GatewayError as error:
             return error.response()
 
@@ -96,9 +97,9 @@ def create_gateway_app(
     return app
 
 
-async def _models_from_replica(service: GatewayService, allowed: list[str] | None) -> Response:
+async def _models_from_replica(service: GatewayService, tenant: Tenant) -> Response:
     """The replicas serve one model (and its LoRA adapters) under their names: ask a ready
-    stable one, and list only what the tenant may use (`allowed`; None: everything)."""
+    stable one, and list only what the tenant may use."""
     for endpoint in service.pool.endpoints(Track.STABLE):
         if not endpoint.is_routable:
             continue
@@ -111,9 +112,10 @@ async def _models_from_replica(service: GatewayService, allowed: list[str] | Non
         except httpx.HTTPError:
             continue
         content = response.content
-        if allowed is not None and response.status_code == 200:
+        restricted = tenant.config.allowed_models is not None or tenant.private_adapters
+        if restricted and response.status_code == 200:
             listing = response.json()
-            listing["data"] = [card for card in listing["data"] if card["id"] in allowed]
+            listing["data"] = [card for card in listing["data"] if tenant.may_use(card["id"])]
             content = json.dumps(listing).encode()
         return Response(content, status_code=response.status_code,
                         media_type="application/json")  # fmt: skip

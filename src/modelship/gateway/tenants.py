@@ -54,6 +54,11 @@ class TenantConfig(BaseModel):
     max_input_tokens: int | None = Field(default=None, ge=1)
     max_output_tokens: int | None = Field(default=None, ge=1)
     allowed_models: list[str] | None = None  # None: every served model
+    # LoRA adapters (served model names) this tenant may use. An adapter any tenant lists
+    # is private to the tenants that list it: no other key reaches it (403) or sees it in
+    # /v1/models, whatever its allowed_models say. Adapters nobody lists are models like
+    # any other (allowed_models decides).
+    allowed_adapters: list[str] = Field(default_factory=list)
     priority: Literal["high", "normal", "low"] = "normal"
     # Tenants naming the same namespace share prefix-cache blocks on the replicas (a hit
     # makes one tenant's request faster when another sent the same prefix, so each can
@@ -86,10 +91,20 @@ class TenantConfig(BaseModel):
 class Tenant:
     name: str
     config: TenantConfig
+    # Every tenant's `allowed_adapters`: the adapters only the tenants listing them may use.
+    private_adapters: frozenset[str] = frozenset()
 
     @property
     def priority(self) -> Priority:
         return self.config.priority_level
+
+    def may_use(self, model: str | None) -> bool:
+        """Whether this tenant may ask for `model` (a base model or a LoRA adapter)."""
+        config = self.config
+        if model is not None and model in self.private_adapters:
+            return model in config.allowed_adapters
+        allowed = config.allowed_models
+        return allowed is None or model in allowed or model in config.allowed_adapters
 
     @property
     def cache_salt(self) -> str:
@@ -106,10 +121,12 @@ class TenantRegistry:
     def __init__(self, configs: Iterable[TenantConfig]) -> None:
         self._tenants: dict[str, Tenant] = {}
         self._digests: list[tuple[bytes, Tenant]] = []
+        configs = list(configs)
+        private = frozenset(name for config in configs for name in config.allowed_adapters)
         for config in configs:
             if config.name in self._tenants:
                 raise ValueError(f"tenant {config.name!r} is configured twice")
-            tenant = Tenant(config.name, config)
+            tenant = Tenant(config.name, config, private)
             self._tenants[config.name] = tenant
             for digest in config.api_key_sha256:
                 if any(hmac.compare_digest(digest.encode(), d) for d, _ in self._digests):
@@ -248,7 +265,7 @@ class TenantLimiter:
         num_sequences: int = 1,
     ) -> LimitDecision:
         config = tenant.config
-        refused = self._check_request(config, model, input_tokens, max_tokens, num_sequences)
+        refused = self._check_request(tenant, model, input_tokens, max_tokens, num_sequences)
         if refused is not None:
             return refused
         usage = self._usage_of(tenant, now)
@@ -320,13 +337,14 @@ class TenantLimiter:
 
     @staticmethod
     def _check_request(
-        config: TenantConfig,
+        tenant: Tenant,
         model: str,
         input_tokens: int,
         max_tokens: int | None,
         num_sequences: int,
     ) -> LimitDecision | None:
         """The limits that no waiting can fix."""
+        config = tenant.config
         if config.max_concurrent is not None and num_sequences > config.max_concurrent:
             return LimitDecision(
                 ok=False,
@@ -335,7 +353,7 @@ class TenantLimiter:
                 message=f"the request asks for {num_sequences} sequences at once; "
                 f"this key allows at most {config.max_concurrent} concurrent",
             )
-        if config.allowed_models is not None and model not in config.allowed_models:
+        if not tenant.may_use(model):
             return LimitDecision(
                 ok=False,
                 reason=RefusalReason.MODEL_NOT_ALLOWED,

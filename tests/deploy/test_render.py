@@ -441,3 +441,22 @@ def test_replicas_get_the_log_format_tracing_and_request_caps() -> None:
     assert pairs["--trace-exporter"] == "otlp"
     assert pairs["--trace-endpoint"] == "http://otel-collector:4318"
     assert pairs["--trace-sample-ratio"] == "0.1"
+
+
+@pytest.mark.parametrize("gpu", ["cpu", "vllm"])
+def test_lora_adapters_render_for_both_engines(gpu: str) -> None:
+    loras = {"sql": "/data/adapters/sql", "chat": "/data/adapters/chat"}
+    config = config_for("deployment", gpu=gpu, serve={"loras": loras, "max_loras": 2})
+    _, container = engine_pod(render(config).objects, "deployment")
+    flags = container["args"]
+    if gpu == "cpu":  # ours: the same flags `modelship up` gives its replicas
+        assert "--lora" in flags and "sql=/data/adapters/sql" in flags
+        assert flags[flags.index("chat=/data/adapters/chat") - 1] == "--lora"
+    else:
+        assert "--enable-lora" in flags
+        modules = flags.index("--lora-modules")
+        assert flags[modules + 1 : modules + 3] == [
+            "sql=/data/adapters/sql",
+            "chat=/data/adapters/chat",
+        ]
+    assert flags[flags.index("--max-loras") + 1] == "2"

@@ -133,8 +133,12 @@ def api_key_env(ctx: RenderContext, variable: str = API_KEY_ENV) -> list[Json]:
 def engine_flags(ctx: RenderContext) -> list[str]:
     """Engine options after the model/name/address flags (the chart's `engine.flags`)."""
     engine = ctx.config.serve.engine
+    loras = ctx.config.serve.loras  # folders as the pod sees them (e.g. on the data volume)
     if ctx.serving.engine == "ours":
-        return [*engine.cli_args(), *replica_flags(ctx)]
+        adapters = [flag for name, path in loras.items() for flag in ("--lora", f"{name}={path}")]
+        if loras:
+            adapters += ["--max-loras", str(ctx.config.serve.max_loras)]
+        return [*engine.cli_args(), *adapters, *replica_flags(ctx)]
     # vLLM spellings of the options both engines share; the variants are compressed-tensors.
     flags = [
         "--max-num-seqs", str(engine.max_num_seqs),
@@ -155,6 +159,10 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         spec = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens,
                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
         flags += ["--speculative-config", json.dumps(spec)]
+    if loras:  # vLLM serves them by the same names: the request's `model` picks one
+        modules = [f"{name}={path}" for name, path in loras.items()]
+        flags += ["--enable-lora", "--max-loras", str(ctx.config.serve.max_loras),
+                  "--lora-modules", *modules]  # fmt: skip
     gpu = ctx.serving.gpu
     if gpu is not None and gpu.count > 1:
         flags += ["--tensor-parallel-size", str(gpu.count)]

@@ -6,8 +6,9 @@
 Four PEFT adapters (rank --rank on q/k/v/o/gate/up/down, random A and B, made with PEFT
 into a temporary folder from the dense --base: PEFT cannot wrap a compressed checkpoint's
 linears) are served over --model (e.g. the int4 release; default: the demo model). Each
-scenario runs the same greedy requests (prompts: paragraphs of docs/architecture.md to continue) closed-loop, with
-`concurrency` in flight and --requests in all, in one engine, step by step:
+scenario runs the same greedy requests (prompts: paragraphs of docs/architecture.md to
+continue) closed-loop, with `concurrency` in flight and --requests in all, in one engine,
+step by step:
 - base: no adapter (the engine has adapters registered, none named);
 - one: every request on adapter 0;
 - mixed: request i on adapter i mod 4 (every step mixes adapters: one gathered matmul pair

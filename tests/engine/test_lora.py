@@ -12,6 +12,7 @@ from tests.tiny_models import make_tiny_lora
 
 from modelship.engine import SamplingParams
 from modelship.engine.config import EngineConfig
+from modelship.engine.errors import EngineOverloadedError
 from modelship.engine.llm_engine import LLMEngine
 from modelship.model.lora import LoRAError
 
@@ -131,6 +132,18 @@ def test_lru_keeps_max_loras_resident(tiny_llama_dir: Path, adapters: dict[str, 
     first = run(engine, {"r1": "all8"})  # reloaded from its folder, attn4 evicted
     assert list(engine.loras.resident) == ["mlp4", "all8"]
     assert run(engine, {"r2": "all8"})["r2"] == first["r1"]
+    # Both resident adapters held by running requests: a third waits for one to end
+    # (refused, retryable) instead of growing past max_loras.
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("held1", [1, 2, 3], params, lora="mlp4")
+    engine.add_request("held2", [1, 2, 3], params, lora="all8")
+    with pytest.raises(EngineOverloadedError, match="max_loras"):
+        engine.add_request("third", [1, 2, 3], params, lora="attn4")
+    assert list(engine.loras.resident) == ["mlp4", "all8"]
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("third", [1, 2, 3], params, lora="attn4")  # room now
+    assert len(engine.loras.resident) == 2
 
 
 @pytest.mark.parametrize(

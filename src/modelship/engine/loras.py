@@ -3,8 +3,10 @@
 A name is *registered* (name -> folder) by the config or at runtime; it is *resident*
 (weights on the device) from its first use until evicted. At most `max_loras` are
 resident; making room evicts the least recently used adapter that no unfinished sequence
-holds (a running request keeps its adapter's weights: `acquire`/`release`). If every
-resident adapter is in use, the new one is loaded anyway (over the limit until one frees).
+holds (a running request keeps its adapter's weights: `acquire`/`release`). A request for
+an adapter that is not resident while all `max_loras` resident ones are in use is refused
+with `EngineOverloadedError` (429 + Retry-After: it fits once one of them is done), so the
+adapters in memory never exceed `max_loras`; registering (`load`) is never refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from modelship.engine.errors import EngineOverloadedError
 from modelship.model.lora import LoRAAdapter, LoRAError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,13 @@ class LoRARegistry:
         if adapter is not None:
             self.resident.move_to_end(name)
             return adapter
+        if len(self.resident) >= self.max_loras and all(
+            resident.key in self.in_use for resident in self.resident.values()
+        ):
+            raise EngineOverloadedError(
+                f"all {self.max_loras} resident LoRA adapters are in use (max_loras); "
+                f"`{name}` fits once one of their requests ends"
+            )
         adapter = LoRAAdapter.load(name, self.paths[name], self.num_layers, self.dtype, self.device)
         self._admit(adapter)
         return adapter

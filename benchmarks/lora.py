@@ -15,8 +15,9 @@ step by step:
   per adapter and projection);
 - churn: as mixed, on an engine with --max-loras 2, so adapters are evicted and reloaded
   from their folders (loads counted).
-Reports output tok/s, mean time per output token after the first (TPOT) and adapter
-loads; prints a table, writes JSON with --out. The machine is shared: compare side by side.
+Reports output tok/s, mean time per output token after the first (TPOT), adapter
+loads, and adds that had to wait (every resident adapter busy: 429 from a server);
+prints a table, writes JSON with --out. The machine is shared: compare side by side.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
+from modelship.engine.errors import EngineOverloadedError
 from texts import architecture_paragraphs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -46,7 +48,7 @@ def make_adapters(model: Path, folder: Path, rank: int) -> list[tuple[str, str]]
     adapters = []
     for i in range(NUM_ADAPTERS):
         torch.manual_seed(i)
-        base = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         config = LoraConfig(
             r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False
         )
@@ -65,13 +67,18 @@ def run(
     loads_before = engine.loras.num_loads if engine.loras else 0
     queue = list(enumerate(requests))
     times: dict[str, list[float]] = {}
-    in_flight = 0
+    in_flight = num_refused = 0
     start = time.perf_counter()
     while queue or engine.has_unfinished():
         while queue and in_flight < concurrency:
-            index, (prompt, adapter) = queue.pop(0)
+            index, (prompt, adapter) = queue[0]
             request_id = f"r{index}-{adapter}-{time.perf_counter_ns()}"
-            engine.add_request(request_id, prompt, params, lora=adapter)
+            try:
+                engine.add_request(request_id, prompt, params, lora=adapter)
+            except EngineOverloadedError:  # every resident adapter busy: retry after a step
+                num_refused += 1
+                break
+            queue.pop(0)
             times[request_id] = []
             in_flight += 1
         for delta in engine.step():
@@ -86,6 +93,7 @@ def run(
         "tok_s": round(tokens / wall, 2),
         "tpot_ms": round(statistics.mean(tpot) * 1000, 2),
         "adapter_loads": (engine.loras.num_loads if engine.loras else 0) - loads_before,
+        "refused": num_refused,  # adds that waited: all resident adapters were busy
     }
 
 
@@ -121,13 +129,14 @@ def main() -> None:
         }
         run(roomy, [(prompts[0], names[0]), (prompts[0], None)], 2, 4)  # warm-up
         results = []
-        print(f"{'scenario':<9}{'c':>3}{'tok/s':>9}{'TPOT ms':>9}{'loads':>7}")
+        print(f"{'scenario':<9}{'c':>3}{'tok/s':>9}{'TPOT ms':>9}{'loads':>7}{'waited':>8}")
         for concurrency in args.concurrency:
             for name, (engine, requests) in scenarios.items():
                 result = run(engine, requests, concurrency, args.max_tokens)
                 results.append({"scenario": name, "concurrency": concurrency, **result})
                 print(f"{name:<9}{concurrency:>3}{result['tok_s']:>9.1f}"
-                      f"{result['tpot_ms']:>9.1f}{result['adapter_loads']:>7}")  # fmt: skip
+                      f"{result['tpot_ms']:>9.1f}{result['adapter_loads']:>7}"
+                      f"{result['refused']:>8}")  # fmt: skip
     report = {"model": str(model), "rank": args.rank, "max_tokens": args.max_tokens,
               "requests": args.requests, "results": results}  # fmt: skip
     if args.out:

@@ -28,6 +28,7 @@ KEY = "sk-alpha-test"
 LIMITED_KEY = "sk-limited-test"
 BILLING_KEY = "sk-billing-test"
 OPEN_KEY = "sk-open-test"  # a tenant with no allow lists
+ADMIN_KEY = "sk-admin-test"  # may load and unload adapters on every replica
 PRICE = {"input_per_1k": 0.5, "output_per_1k": 2.0}
 ADAPTER = "tiny-attn"  # a LoRA adapter every replica serves
 METRICS_KEY = "sk-metrics-test"
@@ -63,6 +64,7 @@ def fleet_config() -> dict:
             "cost": {"variants": {"fp16": PRICE}},
             "routing": {"policy": "least_outstanding_tokens"},
             "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
+            "admin_api_key_sha256": hash_api_key(ADMIN_KEY),
             "resilience": {"breaker_failure_threshold": 1, "breaker_cool_down_s": 30},
         },
         "autoscale": {
@@ -85,6 +87,7 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     adapter = make_tiny_lora(tiny_llama_dir, workdir / "adapter", 4, ["q_proj", "v_proj"])
     config = fleet_config()
     config["serve"]["loras"] = {ADAPTER: str(adapter)}
+    make_tiny_lora(tiny_llama_dir, workdir / "late", 8, ["o_proj", "up_proj"], seed=7)
     up = UpProcess(config, storage.root, SLUG, workdir)
     up.metrics_key = METRICS_KEY
     try:
@@ -313,3 +316,28 @@ def test_an_adapter_is_private_to_the_tenants_allowed_it(fleet: UpProcess):
         with pytest.raises(openai.PermissionDeniedError, match=ADAPTER):
             other.completions.create(model=ADAPTER, prompt="one two", max_tokens=4)
         assert other.completions.create(model=SLUG, prompt="one", max_tokens=2).model == SLUG
+
+
+def test_an_admin_loads_and_unloads_an_adapter_on_every_replica(fleet: UpProcess) -> None:
+    def admin(action: str, key: str, **body) -> httpx.Response:
+        return httpx.post(f"{fleet.url}/v1/{action}_lora_adapter", json=body, timeout=120,
+                          headers={"authorization": f"Bearer {key}"})  # fmt: skip
+
+    late = str(fleet.config_path.parent / "late")
+    assert admin("load", KEY, lora_name="late", lora_path=late).status_code == 403  # a tenant
+    assert admin("load", "sk-nobody", lora_name="late", lora_path=late).status_code == 401
+    bad = admin("load", ADMIN_KEY, lora_name="late")
+    assert bad.status_code == 400 and "lora_path" in bad.json()["error"]["message"]
+    loaded = admin("load", ADMIN_KEY, lora_name="late", lora_path=late)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["replicas"]  # every replica running when it was asked
+    assert "late" in {card.id for card in client(fleet).models.list().data}
+    answer = client(fleet).completions.create(model="late", prompt="one two", max_tokens=4)
+    assert answer.model == "late"
+    missing = admin("load", ADMIN_KEY, lora_name="gone", lora_path=late + "-nowhere")
+    assert missing.status_code == 400 and "done on 0 of" in missing.json()["error"]["message"]
+    assert admin("unload", ADMIN_KEY, lora_name="late").status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client(fleet).completions.create(model="late", prompt="one two", max_tokens=4)
+    configured = admin("unload", ADMIN_KEY, lora_name=ADAPTER)
+    assert configured.status_code == 409  # serve.loras' adapters stay with the config

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -23,12 +24,14 @@ from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.releases import end_canary, read_traffic
-from modelship.fleet.supervisor import ReleaseSpec, Supervisor
+from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
+from modelship.gateway.adapters import Action, fan_out
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
 from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
 from modelship.gateway.drift import DriftProbe, ProbeResult
 from modelship.gateway.pool import EndpointPool, Upstream
+from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
 from modelship.server.process import ReplicaProcess
@@ -69,6 +72,10 @@ class LocalFleet:
             access_log=config.log_format == "json",
         )
         self.service.on_canary_rollback = self._auto_rollback
+        self.service.on_change_adapters = self._change_adapters
+        # Adapters loaded at runtime through the gateway (name -> folder): replicas started
+        # from now on get them as `--lora`, like serve.loras.
+        self.runtime_loras: dict[str, str] = {}
         self.supervisor = Supervisor(
             config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
         )
@@ -104,10 +111,13 @@ class LocalFleet:
             "--log-format", self.config.log_format,
             *self.config.tracing.cli_args(),
         ]  # fmt: skip
-        for name, folder in serve.loras.items():
+        loras = {**serve.loras, **self.runtime_loras}
+        for name, folder in loras.items():
             args += ["--lora", f"{name}={folder}"]
-        if serve.loras:
+        if loras or self.config.gateway.admin_api_key_sha256:
             args += ["--max-loras", str(serve.max_loras)]
+        if self.config.gateway.admin_api_key_sha256:
+            args += ["--enable-lora-admin"]  # the gateway's admin calls reach every replica
         return ReplicaProcess(
             spec.model_dir,
             *args,
@@ -116,6 +126,43 @@ class LocalFleet:
             die_with_parent=True,
             api_key=self.replica_api_key,  # in its environment: `ps` shows a command line to all
         )
+
+    async def _change_adapters(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
+        """An admin's load or unload, on every replica: those serving now at once, those
+        still starting once they are ready (they were launched with the adapters of their
+        time). Replicas started afterwards get `runtime_loras` on their command line. A load
+        that fails anywhere is taken back everywhere."""
+        name = body["lora_name"]
+        if action == "load":
+            if name == self.served_model_name or name in self.config.serve.loras:
+                raise GatewayError(409, f"the name `{name}` is already served", code="conflict")
+            self.runtime_loras[name] = str(Path(body["lora_path"]).resolve())
+            body = {**body, "lora_path": self.runtime_loras[name]}
+        elif name in self.config.serve.loras:
+            raise GatewayError(409, f"`{name}` is configured in serve.loras; remove it there",
+                               code="conflict")  # fmt: skip
+        else:
+            self.runtime_loras.pop(name, None)
+        status, payload = await self._on_every_replica(action, body)
+        if status != 200 and action == "load":
+            self.runtime_loras.pop(name, None)
+            await self._on_every_replica("unload", {"lora_name": name})
+        return status, payload
+
+    async def _on_every_replica(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
+        timeout_s = self.config.gateway.resilience.request_timeout_s
+        client, headers = self.service.client, self.service.upstream_headers
+        assert client is not None
+        serving = (ReplicaState.READY, ReplicaState.STANDBY)
+        replicas = [r for r in self.supervisor.replicas if r.state in serving]
+        starting = [r for r in self.supervisor.replicas if r.state is ReplicaState.STARTING]
+        deadline = time.monotonic() + self.config.autoscale.replica_start_timeout_s
+        while starting and time.monotonic() < deadline:  # launched before this call
+            await asyncio.sleep(0.25)
+            replicas += [r for r in starting if r.state in serving]
+            starting = [r for r in starting if r.state is ReplicaState.STARTING]
+        targets = [(r.replica_id, r.process.url) for r in replicas]
+        return await fan_out(client, targets, action, body, headers, timeout_s)
 
     def release_spec(self, release: int) -> ReleaseSpec:
         folder = self.storage.release_dir(self.slug, release)

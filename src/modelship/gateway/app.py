@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modelship.body_limit import BodySizeLimit
+from modelship.gateway.adapters import parse_body
 from modelship.gateway.canary import Track
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
@@ -56,6 +57,16 @@ def create_gateway_app(
         except GatewayError as error:
             return error.response()
 
+    async def change_adapters(request: Request) -> Response:
+        action = "load" if request.url.path.endswith("/load_lora_adapter") else "unload"
+        try:
+            service.authenticate_admin(request)
+            body = parse_body(await request.body(), action)
+            status, payload = await service.change_adapters(action, body)
+        except GatewayError as error:
+            return error.response()
+        return JSONResponse(payload, status_code=status)
+
     async def health(_: Request) -> Response:
         return Response(status_code=200)
 
@@ -86,6 +97,8 @@ def create_gateway_app(
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", change_adapters, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", change_adapters, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

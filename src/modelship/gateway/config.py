@@ -9,7 +9,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from modelship.gateway.admission import AdmissionConfig
 from modelship.gateway.routing import create_router, supported_routers
@@ -133,19 +140,22 @@ class GatewayConfig(_Section):
     # Keys (sha256 digests) that read /metrics with its tenant series; anyone else gets
     # every series summed over tenants, so no tenant's name or usage is public.
     metrics_api_key_sha256: list[str] = Field(default_factory=list)
+    # Keys (sha256 digests) that may load and unload LoRA adapters on every replica at
+    # runtime (`gateway/adapters.py`); none: those routes answer 404.
+    admin_api_key_sha256: list[str] = Field(default_factory=list)
 
-    @field_validator("metrics_api_key_sha256", mode="before")
+    @field_validator("metrics_api_key_sha256", "admin_api_key_sha256", mode="before")
     @classmethod
     def _one_or_many(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("metrics_api_key_sha256")
+    @field_validator("metrics_api_key_sha256", "admin_api_key_sha256")
     @classmethod
-    def _hex_digests(cls, digests: list[str]) -> list[str]:
+    def _hex_digests(cls, digests: list[str], info: ValidationInfo) -> list[str]:
         if not all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in digests):
             # Never echo the value: it might be a pasted key instead of its hash.
             raise ValueError(
-                "metrics_api_key_sha256 takes lowercase sha256 hex digests (64 characters), "
+                f"{info.field_name} takes lowercase sha256 hex digests (64 characters), "
                 "e.g. from `printf %s KEY | sha256sum`"
             )
         return digests

@@ -19,7 +19,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from modelship.gateway.adapters import Action, fan_out
 from modelship.gateway.admission import AdmissionQueue
 from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
@@ -117,6 +118,10 @@ class GatewayService:
         self.split_secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
         # Called once when the judge rolls the canary back (the fleet ends it on storage).
         self.on_canary_rollback: Callable[[Verdict], None] | None = None
+        # The local fleet's: adapters changed on the replicas it runs and those it starts.
+        self.on_change_adapters: (
+            Callable[[Action, dict[str, str]], Awaitable[tuple[int, dict]]] | None
+        ) = None
         self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
@@ -203,6 +208,35 @@ class GatewayService:
         if not found:
             raise unauthorized()
         return True
+
+    def authenticate_admin(self, request: Request) -> None:
+        """An admin key (`admin_api_key_sha256`), compared in constant time; 404 when none
+        is configured, 403 for a tenant's key, 401 for anything else."""
+        digests = self.config.admin_api_key_sha256
+        if not digests:
+            raise GatewayError(404, "changing LoRA adapters through the gateway is off (set "
+                               "gateway.admin_api_key_sha256)", code="not_found")  # fmt: skip
+        key = _bearer_key(request)
+        digest = hash_api_key(key).encode()
+        found = False
+        for candidate in digests:  # constant time, no early exit
+            found |= hmac.compare_digest(digest, candidate.encode())
+        if found:
+            return
+        if key and self.registry is not None and self.registry.authenticate(key) is not None:
+            raise GatewayError(403, "this key may not change the served adapters",
+                               "permission_error", "forbidden")  # fmt: skip
+        raise unauthorized()
+
+    async def change_adapters(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
+        """Load or unload an adapter on every replica (`adapters.fan_out`), or through
+        `on_change_adapters` (the local fleet's, which also covers replicas it starts)."""
+        if self.on_change_adapters is not None:
+            return await self.on_change_adapters(action, body)
+        assert self.client is not None
+        replicas = [(u.endpoint_id, u.url) for u in self.pool]
+        return await fan_out(self.client, replicas, action, body, self.upstream_headers,
+                             self.config.resilience.request_timeout_s)  # fmt: skip
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""

@@ -26,6 +26,7 @@ MODEL = "tiny"
 HIGH, LOW = "sk-high-test", "sk-low-test"
 METRICS_KEY = "sk-metrics-test"
 METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}
+ADMIN_KEY = "sk-admin-test"
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(180)
 def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess(
         tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
-        "--kv-cache-memory-mb", "32",
+        "--kv-cache-memory-mb", "32", "--enable-lora-admin",
     )  # fmt: skip
     yield process
     process.stop()
@@ -376,3 +377,25 @@ def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProce
     cut = charged()
     assert cut[0] - final[0] > 0
     assert 5 <= cut[1] - final[1] < 1500
+
+
+def test_an_admin_changes_adapters_on_every_replica_given_by_address(
+    start_gateway, replica: ServerProcess, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from tiny_models import make_tiny_lora
+
+    adapter = str(make_tiny_lora(tiny_llama_dir, tmp_path / "adapter", 4, ["q_proj"], seed=9))
+    closed = start_gateway([replica.url])
+    off = post(closed, {"lora_name": "x", "lora_path": adapter}, ADMIN_KEY,
+               "/v1/load_lora_adapter")  # fmt: skip
+    assert off.status_code == 404 and "admin_api_key_sha256" in off.json()["error"]["message"]
+    gateway = start_gateway([replica.url], admin_api_key_sha256=hash_api_key(ADMIN_KEY))
+    body = {"lora_name": "extra", "lora_path": adapter}
+    assert post(gateway, body, HIGH, "/v1/load_lora_adapter").status_code == 403
+    loaded = post(gateway, body, ADMIN_KEY, "/v1/load_lora_adapter")
+    assert loaded.status_code == 200 and len(loaded.json()["replicas"]) == 1
+    answer = post(gateway, {**chat(), "model": "extra"})
+    assert answer.status_code == 200 and answer.json()["model"] == "extra"
+    unloaded = post(gateway, {"lora_name": "extra"}, ADMIN_KEY, "/v1/unload_lora_adapter")
+    assert unloaded.status_code == 200
+    assert post(gateway, {**chat(), "model": "extra"}).status_code == 404

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from demo import DEFAULT_STORAGE, model_or_demo
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
 from texts import architecture_paragraphs
 
-ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("float32", "int8", "fp8")
 SEQUENCE_TOKENS = 256  # the sequence length "blocks" is counted in
 PROMPTS = [
@@ -83,19 +83,14 @@ def score(engine: LLMEngine, texts: list[str]) -> list[tuple[torch.Tensor, torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
-    parser.add_argument("--storage", type=Path, default=ROOT / "modelship-data")
+    parser.add_argument("--storage", type=Path, default=DEFAULT_STORAGE)
     parser.add_argument("--kv-cache-memory-mb", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from modelship.pipeline.acquire import acquire
-        from modelship.storage import Storage
-
-        model = acquire("demo", Storage(args.storage)).path
+    model = model_or_demo(args.model, args.storage)
     texts = passages(args.passages)
     rows, scores = {}, {}
     for dtype in DTYPES:

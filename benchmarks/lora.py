@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from demo import DEFAULT_STORAGE, model_or_demo
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
 from modelship.engine.errors import EngineOverloadedError
 from texts import architecture_paragraphs
@@ -100,7 +101,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
-    parser.add_argument("--storage", type=Path, default=Path("modelship-data"))
+    parser.add_argument("--storage", type=Path, default=DEFAULT_STORAGE)
     parser.add_argument("--base", type=Path, help="dense model the adapters are made on")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -108,12 +109,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from modelship.pipeline.acquire import acquire
-        from modelship.storage import Storage
-
-        model = acquire("demo", Storage(args.storage)).path
+    model = model_or_demo(args.model, args.storage)
     prompts = [p[:400] for p in architecture_paragraphs(400)][: args.requests]
     prompts = (prompts * args.requests)[: args.requests]
     with tempfile.TemporaryDirectory() as folder:

@@ -29,11 +29,11 @@ import statistics
 import time
 from pathlib import Path
 
+from demo import DEFAULT_STORAGE, model_or_demo
 from modelship.engine import EngineConfig, LLMEngine, SamplingParams
 from modelship.engine.speculative import SpeculativeConfig
 from texts import architecture_paragraphs
 
-ROOT = Path(__file__).resolve().parent.parent
 OPEN_QUESTIONS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "What are some good habits for staying focused while studying?",
@@ -96,7 +96,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
-    parser.add_argument("--storage", type=Path, default=ROOT / "modelship-data")
+    parser.add_argument("--storage", type=Path, default=DEFAULT_STORAGE)
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--requests", type=int, default=8)
@@ -110,12 +110,7 @@ def main() -> None:
     parser.add_argument("--draft-model", type=Path, help="also speculate with this draft model")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from modelship.pipeline.acquire import acquire
-        from modelship.storage import Storage
-
-        model = acquire("demo", Storage(args.storage)).path
+    model = model_or_demo(args.model, args.storage)
     engines = {}
     for method in ("ngram", "draft") if args.draft_model else ("ngram",):
         speculative = SpeculativeConfig(

@@ -11,7 +11,8 @@ hook on each projection of each layer; the hooks read the step's `LoRAContext` (
 runner): a list of (adapter, row indices) segments. A step with no adapter rows leaves the
 context empty and every hook returns at once. The delta is a segment loop: per adapter
 present in the batch, its rows are gathered, multiplied by A then B (two small matmuls)
-and added into the output rows (`index_add_`); a stacked [slots, r, in] bmm would multiply
+into their slices of one contiguous delta, added into the output rows with one
+`index_add_` per adapter; a stacked [slots, r, in] bmm would multiply
 a per-row copy of A and B. The number of adapters in a step is small (`max_loras`).
 The CPU fused decoder runs all layers in one C++ call and calls no hooks: steps with
 adapter rows take the per-layer Python path (`LlamaForCausalLM.forward`).
@@ -191,9 +192,13 @@ def _make_hook(context: LoRAContext, where: tuple[int, str], offsets: list[int])
             if not targets:
                 continue
             xa = x.index_select(0, rows)  # [n, in]
+            # Each target's delta into its slice of one contiguous [n, out] buffer, added
+            # with one index_add_: into a column slice of `out` (not contiguous) a bf16
+            # index_add_ takes ~0.8 ms on CPU, 25x the contiguous one.
+            delta = out.new_zeros(len(rows), out.shape[1])
             for index, a, b in targets:
-                delta = (xa @ a.t()) @ b.t()  # [n, width of this target]
-                out[:, offsets[index] : offsets[index + 1]].index_add_(0, rows, delta)
+                delta[:, offsets[index] : offsets[index + 1]] = (xa @ a.t()) @ b.t()
+            out.index_add_(0, rows, delta)
         return out
 
     return hook

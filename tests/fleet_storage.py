@@ -25,3 +25,21 @@ def publish_release(storage: Storage, slug: str, model_dir: Path, variant: str) 
     ):
         link_tree(model_dir, staging)
     return number
+
+
+def publish_variant(storage: Storage, slug: str, model_dir: Path, variant: str) -> Path:
+    """Publish `model_dir` as the optimized variant `variant` of `slug`, as optimize would."""
+    artifact = storage.variant_dir(slug, variant)
+    with (
+        storage.lock(artifact),
+        storage.publish(
+            artifact,
+            kind="optimized",
+            source=str(model_dir),
+            revision=None,
+            inputs_hash=f"test-{variant}",
+            extra={"variant": variant},
+        ) as staging,
+    ):
+        link_tree(model_dir, staging)
+    return artifact

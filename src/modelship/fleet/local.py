@@ -80,6 +80,14 @@ class LocalFleet:
             config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
         )
         self.supervisor.on_canary_failed = self._canary_failed
+        for tier in config.gateway.tiers:  # before serving: a missing variant is a setup error
+            folder = storage.variant_dir(slug, tier.variant)
+            if not (folder / "manifest.json").is_file():
+                raise PipelineError(
+                    f"gateway.tiers: tier {tier.name!r} serves variant {tier.variant!r}, but "
+                    f"{folder} holds no optimized model; run `modelship optimize` with that "
+                    "variant, or fix the name"
+                )
         self.drift_probe = DriftProbe(
             config.gateway.drift_probe,
             self.pool,
@@ -199,6 +207,9 @@ class LocalFleet:
         production = self.storage.production_release(self.slug)
         if production is not None:
             self.supervisor.set_target(Track.STABLE, self.release_spec(production))
+            for tier in self.config.gateway.tiers:  # the release's cheaper variants
+                folder = self.storage.variant_dir(self.slug, tier.variant)
+                self.supervisor.set_tier(tier, ReleaseSpec(production, folder, tier.variant))
         canary = read_traffic(self.storage, self.slug).canary
         if canary is None or canary.release == production:
             self.supervisor.set_target(Track.CANARY, None)

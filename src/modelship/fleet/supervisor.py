@@ -41,6 +41,7 @@ from modelship.fleet.metrics import FleetMetrics
 from modelship.gateway.canary import Track
 from modelship.gateway.metrics import FleetSnapshot
 from modelship.gateway.pool import EndpointPool
+from modelship.gateway.tiers import PRIMARY, TierConfig
 from modelship.server.process import ReplicaProcess
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ManagedReplica:
     drain_started_at: float | None = None
     terminate_sent: bool = False
     unanswered_since: float | None = None  # ready, but /health has not answered since
+    tier: str = PRIMARY  # a cheaper tier's replicas are stable-track, tier named
 
 
 Launcher = Callable[[ReleaseSpec, str], ReplicaProcess]
@@ -108,6 +110,10 @@ class Supervisor:
         self.policy = AutoscalerPolicy(config)
         self.replicas: list[ManagedReplica] = []
         self.tracks = {track: _TrackState() for track in Track}
+        # Cheaper tiers (`gateway.tiers`): each scaled on its own load between its
+        # min_replicas and max_replicas, serving its variant of the production release.
+        self.tiers: dict[str, _TrackState] = {}
+        self.tier_policies: dict[str, AutoscalerPolicy] = {}
         self._num_started = 0
         self._client: httpx.AsyncClient | None = None
         # Called with the reason once the canary's replicas have failed
@@ -131,6 +137,24 @@ class Supervisor:
                     replica.track = Track.STABLE
                     self.pool.retag(replica.replica_id, Track.STABLE)
 
+    def set_tier(self, tier: TierConfig, spec: ReleaseSpec) -> None:
+        """Serve `spec` (the tier's variant) on `tier`; replicas of an older spec are
+        drained once one of the new is ready."""
+        if tier.name not in self.tiers:
+            self.tiers[tier.name] = _TrackState()
+            bounds = {"min_replicas": tier.min_replicas, "max_replicas": tier.max_replicas}
+            self.tier_policies[tier.name] = AutoscalerPolicy(self.config.model_copy(update=bounds))
+        state = self.tiers[tier.name]
+        if state.target != spec:
+            logger.info("tier %s: %s (release %d)", tier.name, spec.variant, spec.release)
+            state.target = spec
+            state.num_crashes = state.num_failures = 0
+
+    def _state(self, replica: ManagedReplica) -> _TrackState:
+        if replica.tier == PRIMARY:
+            return self.tracks[replica.track]
+        return self.tiers[replica.tier]
+
     def time_to_ready_s(self, track: Track = Track.STABLE) -> list[float]:
         return list(self.tracks[track].time_to_ready_s)
 
@@ -146,7 +170,10 @@ class Supervisor:
         return sum(
             1
             for r in self.replicas
-            if r.track is track and r.state in states and (not current or r.spec == target)
+            if r.track is track
+            and r.tier == PRIMARY
+            and r.state in states
+            and (not current or r.spec == target)
         )
 
     # Control loop ------------------------------------------------------------------------
@@ -170,6 +197,8 @@ class Supervisor:
         self._scale(Track.STABLE, self._stable_desired(now), now)
         canary = self.tracks[Track.CANARY]
         self._scale(Track.CANARY, self.config.canary_replicas if canary.target else 0, now)
+        for name in self.tiers:
+            self._scale_tier(name, now)
 
     async def _observe(self, now: float) -> None:
         starting = [r for r in self.replicas if r.state is ReplicaState.STARTING]
@@ -225,7 +254,7 @@ class Supervisor:
 
     def _became_ready(self, replica: ManagedReplica, now: float) -> None:
         seconds = now - replica.started_at
-        state = self.tracks[replica.track]
+        state = self._state(replica)
         state.num_crashes = 0
         state.time_to_ready_s.append(seconds)
         spec = replica.spec
@@ -234,7 +263,7 @@ class Supervisor:
             self.metrics.time_to_capacity.labels(str(spec.release), spec.variant).observe(seconds)
         routed = self.count(replica.track, ReplicaState.READY)
         wanted = routed < state.routable_wanted or replica.track is not Track.STABLE
-        if not wanted and spec == state.target:
+        if not wanted and spec == state.target and replica.tier == PRIMARY:
             replica.state = ReplicaState.STANDBY  # nobody waits for it: into the warm pool
             logger.info("%s joins the warm pool", replica.replica_id)
             return
@@ -246,11 +275,10 @@ class Supervisor:
         time to capacity."""
         replica.state = ReplicaState.READY
         spec = replica.spec
-        self.pool.add(
-            replica.replica_id, replica.process.url, replica.track, str(spec.release), spec.variant
-        )
-        state = self.tracks[replica.track]
-        if state.short_since is not None:
+        self.pool.add(replica.replica_id, replica.process.url, replica.track, str(spec.release),
+                      spec.variant, tier=replica.tier)  # fmt: skip
+        state = self._state(replica)
+        if replica.tier == PRIMARY and state.short_since is not None:
             if self.metrics is not None:
                 self.metrics.scale_out.labels(source).observe(now - state.short_since)
             if self.count(replica.track, ReplicaState.READY) >= state.routable_wanted:
@@ -274,7 +302,7 @@ class Supervisor:
         self.pool.remove(replica.replica_id)
         replica.process.close_log()
         self.replicas.remove(replica)
-        state = self.tracks[replica.track]
+        state = self._state(replica)
         state.num_crashes += 1
         state.num_failures += 1
         backoff = self.config.restart_backoff_s * 2 ** (state.num_crashes - 1)
@@ -283,6 +311,7 @@ class Supervisor:
             self.metrics.replica_restarts.labels(str(replica.spec.release)).inc()
         if (
             replica.track is Track.CANARY
+            and replica.tier == PRIMARY
             and replica.spec == state.target
             and state.num_failures >= self.config.max_canary_failures
             and self.on_canary_failed is not None
@@ -298,7 +327,8 @@ class Supervisor:
         target = self.tracks[track].target
         stale = [
             r for r in self.replicas
-            if r.track is track and r.spec != target and r.state is not ReplicaState.DRAINING
+            if r.track is track and r.tier == PRIMARY and r.spec != target
+            and r.state is not ReplicaState.DRAINING
         ]  # fmt: skip
         if not stale:
             return
@@ -350,7 +380,7 @@ class Supervisor:
         elif desired < current:
             candidates = sorted(
                 (r for r in self.replicas
-                 if r.track is track and r.spec == state.target
+                 if r.track is track and r.tier == PRIMARY and r.spec == state.target
                  and r.state is not ReplicaState.DRAINING),
                 key=lambda r: (r.state is ReplicaState.READY, r.state is ReplicaState.STANDBY,
                                self._in_flight(r)),
@@ -365,7 +395,10 @@ class Supervisor:
         while it has more and the warm pool is short (their requests all ended: no await
         between the check and leaving routing, so none can arrive in between)."""
         target = self.tracks[Track.STABLE].target
-        mine = [r for r in self.replicas if r.track is Track.STABLE and r.spec == target]
+        mine = [
+            r for r in self.replicas
+            if r.track is Track.STABLE and r.tier == PRIMARY and r.spec == target
+        ]  # fmt: skip
         routed = [r for r in mine if r.state is ReplicaState.READY]
         warm = [r for r in mine if r.state is ReplicaState.STANDBY]
         for replica in warm[: max(0, routable_wanted - len(routed))]:
@@ -379,16 +412,45 @@ class Supervisor:
             self.pool.remove(replica.replica_id)
             replica.state = ReplicaState.STANDBY
 
+    def _scale_tier(self, name: str, now: float) -> None:
+        """A cheaper tier: as many replicas as its own load asks for, within its bounds;
+        replicas of an older spec drained once the current one has a ready replica."""
+        state = self.tiers[name]
+        mine = [r for r in self.replicas if r.tier == name and r.state is not ReplicaState.DRAINING]
+        current = [r for r in mine if r.spec == state.target]
+        if any(r.state is ReplicaState.READY for r in current):
+            for replica in (r for r in mine if r.spec != state.target):
+                self.drain(replica, now)
+        ready = sum(1 for r in current if r.state is ReplicaState.READY)
+        decision = self.tier_policies[name].decide(
+            now,
+            in_flight=self.pool.in_flight(Track.STABLE, name),
+            ready_replicas=ready,
+            starting_replicas=len(current) - ready,
+            time_to_ready_s=self.expected_time_to_ready_s(),
+        )
+        state.desired = desired = decision.desired_replicas
+        if desired > len(current) and state.target is not None and now >= state.next_start_at:
+            for _ in range(desired - len(current)):
+                self.start(Track.STABLE, state.target, tier=name)
+        elif desired < len(current):
+            idle_first = sorted(
+                current, key=lambda r: (r.state is ReplicaState.READY, self._in_flight(r))
+            )
+            for replica in idle_first[: len(current) - desired]:
+                self.drain(replica, now)
+
     # Actions -----------------------------------------------------------------------------
-    def start(self, track: Track, spec: ReleaseSpec) -> ManagedReplica:
+    def start(self, track: Track, spec: ReleaseSpec, tier: str = PRIMARY) -> ManagedReplica:
         self._num_started += 1
         replica_id = f"replica-{self._num_started}"
         started_at = self.clock()
         process = self.launch(spec, replica_id)
-        replica = ManagedReplica(replica_id, track, spec, process, started_at)
+        replica = ManagedReplica(replica_id, track, spec, process, started_at, tier=tier)
         self.replicas.append(replica)
-        logger.info("starting %s (%s, release %d) on %s", replica_id, track, spec.release,
-                    process.url)  # fmt: skip
+        where = track if tier == PRIMARY else f"tier {tier}"
+        logger.info("starting %s (%s, release %d, %s) on %s", replica_id, where, spec.release,
+                    spec.variant, process.url)  # fmt: skip
         return replica
 
     def drain(self, replica: ManagedReplica, now: float) -> None:
@@ -438,13 +500,12 @@ class Supervisor:
             upstream = self.pool.get(r.replica_id)
             if r.state is ReplicaState.READY and upstream is not None and not upstream.is_healthy:
                 state = "unhealthy"  # ready once, failing its health checks now
-            key = (str(r.track), str(r.spec.release), r.spec.variant, state)
+            track = str(r.track) if r.tier == PRIMARY else r.tier
+            key = (track, str(r.spec.release), r.spec.variant, state)
             replicas[key] = replicas.get(key, 0) + 1
-        return dataclasses.replace(
-            service.snapshot(),
-            replicas=replicas,
-            desired_replicas={str(t): s.desired for t, s in self.tracks.items()},
-        )
+        desired = {str(t): s.desired for t, s in self.tracks.items()}
+        desired |= {name: s.desired for name, s in self.tiers.items()}
+        return dataclasses.replace(service.snapshot(), replicas=replicas, desired_replicas=desired)
 
 
 def _last_error(log: str) -> str:

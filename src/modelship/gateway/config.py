@@ -21,6 +21,7 @@ from pydantic import (
 from modelship.gateway.admission import AdmissionConfig
 from modelship.gateway.routing import create_router, supported_routers
 from modelship.gateway.tenants import TenantConfig
+from modelship.gateway.tiers import BrownoutConfig, TierConfig, TierRule, check_tiers
 
 
 class _Section(BaseModel):
@@ -135,6 +136,11 @@ class GatewayConfig(_Section):
     drift_probe: DriftProbeConfig = Field(default_factory=DriftProbeConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     request_limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
+    # Precision tiers served beside the production release (`gateway/tiers.py`), best to
+    # cheapest; the rules that send requests to them; and the brown-out under overload.
+    tiers: list[TierConfig] = Field(default_factory=list)
+    tier_rules: list[TierRule] = Field(default_factory=list)
+    brownout: BrownoutConfig = Field(default_factory=BrownoutConfig)
     # Output length assumed for a request before any has finished (token-aware routing).
     initial_output_tokens: int = Field(default=128, ge=0)
     # Keys (sha256 digests) that read /metrics with its tenant series; anyone else gets
@@ -167,3 +173,8 @@ class GatewayConfig(_Section):
 
         TenantRegistry(tenants)  # names and key digests unique; the error names the tenant
         return tenants
+
+    @model_validator(mode="after")
+    def _tiers_consistent(self) -> GatewayConfig:
+        check_tiers(self.tiers, self.tier_rules)
+        return self

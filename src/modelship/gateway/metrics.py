@@ -146,6 +146,13 @@ class GatewayMetrics:
             ["policy", "reason"],
             registry=r,
         )
+        self.tier_decisions = Counter(
+            PREFIX + "tier_decisions",
+            "Which tier each request was sent to, and why (default, requested, brownout, "
+            "opted_out, unavailable, or the name of the tier rule that matched).",
+            ["tier", "reason"],
+            registry=r,
+        )
         self.retries = Counter(
             PREFIX + "retries",
             "Attempts retried on another replica, by failure kind.",

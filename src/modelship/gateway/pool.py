@@ -20,6 +20,7 @@ from modelship.gateway.canary import Track
 from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.endpoint import Endpoint
 from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDetector
+from modelship.gateway.tiers import PRIMARY
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Upstream:
     track: Track
     variant: str
     breaker: CircuitBreaker
+    tier: str = PRIMARY  # a cheaper tier's replicas are stable-track, tier named
     is_healthy: bool = True
     is_draining: bool = False
     num_unanswered_checks: int = 0  # consecutive health checks that timed out or broke
@@ -116,6 +118,7 @@ class EndpointPool:
         release: str,
         variant: str = "unknown",
         is_healthy: bool = True,
+        tier: str = PRIMARY,
     ) -> Upstream:
         """Start routing to a replica (the supervisor calls this once /ready is 200)."""
         breaker = CircuitBreaker(
@@ -123,11 +126,12 @@ class EndpointPool:
             cool_down_s=self.config.breaker_cool_down_s,
         )
         endpoint = Endpoint(endpoint_id=endpoint_id, url=url.rstrip("/"), release=release)
-        upstream = Upstream(endpoint, track, variant, breaker, is_healthy=is_healthy)
+        upstream = Upstream(endpoint, track, variant, breaker, tier, is_healthy=is_healthy)
         self._upstreams[endpoint_id] = upstream
         self.outliers.set_endpoints(self._upstreams)
         self.refresh(upstream)
-        logger.info("routing to %s (%s, release %s) at %s", endpoint_id, track, release, url)
+        where = track if tier == PRIMARY else f"tier {tier}"
+        logger.info("routing to %s (%s, release %s) at %s", endpoint_id, where, release, url)
         return upstream
 
     def remove(self, endpoint_id: str) -> None:
@@ -156,20 +160,25 @@ class EndpointPool:
             and not self.outliers.is_ejected(upstream.endpoint_id)
         )
 
-    def endpoints(self, track: Track) -> list[Endpoint]:
-        """The track's endpoints with routability as of now (routers skip the others)."""
+    def endpoints(self, track: Track, tier: str = PRIMARY) -> list[Endpoint]:
+        """The track's endpoints in `tier` with routability as of now (routers skip the
+        others)."""
         result = []
         for upstream in self._upstreams.values():
-            if upstream.track is track:
+            if upstream.track is track and upstream.tier == tier:
                 self.refresh(upstream)
                 result.append(upstream.endpoint)
         return result
 
-    def has_routable(self, track: Track) -> bool:
-        return any(endpoint.is_routable for endpoint in self.endpoints(track))
+    def has_routable(self, track: Track, tier: str = PRIMARY) -> bool:
+        return any(endpoint.is_routable for endpoint in self.endpoints(track, tier))
 
-    def in_flight(self, track: Track) -> int:
-        return sum(u.endpoint.in_flight for u in self._upstreams.values() if u.track is track)
+    def in_flight(self, track: Track, tier: str = PRIMARY) -> int:
+        return sum(
+            u.endpoint.in_flight
+            for u in self._upstreams.values()
+            if u.track is track and u.tier == tier
+        )
 
     def record_result(self, upstream: Upstream, ok: bool) -> bool:
         """Feed breaker and outlier detector; returns True when this opened the breaker."""

@@ -27,6 +27,7 @@ class GatewayError(Exception):
     error_type: str = "invalid_request_error"
     code: str | None = None
     retry_after_s: float | None = None
+    param: str | None = None  # the field (or header) at fault
 
     def response(
         self, request_id: str | None = None, headers: dict[str, str] | None = None
@@ -35,7 +36,7 @@ class GatewayError(Exception):
             "error": {
                 "message": self.message,
                 "type": self.error_type,
-                "param": None,
+                "param": self.param,
                 "code": self.code,
             }
         }
@@ -72,6 +73,7 @@ class ParsedRequest:
     # prompts). Each holds an admission and a tenant concurrency slot, and is priced.
     num_sequences: int = 1
     raw: bytes = b""  # the body as the client sent it
+    requested_tier: str | None = None  # the tier the client named (`x-modelship-tier`)
     changed: dict[str, Any] = field(default_factory=dict)  # fields the gateway set (`set`)
 
     def set(self, key: str, value: Any) -> None:

@@ -61,6 +61,14 @@ from modelship.gateway.tenants import (
     TenantRegistry,
     hash_api_key,
 )
+from modelship.gateway.tiers import (
+    PRIMARY,
+    TIER_HEADER,
+    TierDecision,
+    TierLoad,
+    TierNeed,
+    choose_tier,
+)
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
 from modelship.tracing import Span, SpanKind, Tracing, end_span, extract, inject
 
@@ -110,6 +118,10 @@ class GatewayService:
         self.policy = config.routing.policy
         self.routers = {
             track: create_router(self.policy, **config.routing.options) for track in Track
+        }
+        # A cheaper tier's replicas (all stable-track) have a router of their own.
+        self.tier_routers = {
+            tier.name: create_router(self.policy, **config.routing.options) for tier in config.tiers
         }
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
         self.judge = CanaryJudge(config.canary)
@@ -260,6 +272,7 @@ class GatewayService:
                 request.headers.get("x-session-id"),
                 self.config.request_limits,
             )
+            parsed.requested_tier = self._requested_tier(request)
             hold = self._admit(tenant, parsed, request_id, span)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
@@ -329,6 +342,39 @@ class GatewayService:
         return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter(),
                      request_id, parsed.model or "default", span)  # fmt: skip
 
+    def _requested_tier(self, request: Request) -> str | None:
+        """The tier the client named (`x-modelship-tier`), checked; None: not named."""
+        name = request.headers.get(TIER_HEADER)
+        if name is None or name == PRIMARY:
+            return None if name is None else PRIMARY
+        if name not in self.tier_routers:
+            served = ", ".join([PRIMARY, *self.tier_routers])
+            raise GatewayError(400, f"{TIER_HEADER}: no tier is named so; served: {served}",
+                               param=TIER_HEADER, code="unknown_tier")  # fmt: skip
+        return name
+
+    def pick_tier(self, parsed: ParsedRequest, tenant: Tenant) -> TierDecision:
+        """Which tier serves the request (`tiers.choose_tier`), counted by tier and reason."""
+        config = self.config
+        if not config.tiers:
+            return TierDecision(PRIMARY, "default")
+        loads = {PRIMARY: self._tier_load(PRIMARY)}
+        for name in self.tier_routers:
+            loads[name] = self._tier_load(name)
+        need = TierNeed(tenant.priority, parsed.max_tokens, parsed.input_tokens,
+                        parsed.requested_tier)  # fmt: skip
+        decision = choose_tier(config.tiers, config.tier_rules, config.brownout, need,
+                               tenant.config, loads)  # fmt: skip
+        self.metrics.tier_decisions.labels(decision.tier, decision.reason).inc()
+        return decision
+
+    def _tier_load(self, tier: str) -> TierLoad:
+        """A tier's routable replicas and the requests the gateway has there; the primary's
+        counted on stable (a canary's share is small and judged on its own)."""
+        endpoints = self.pool.endpoints(Track.STABLE, tier)
+        routable = sum(1 for endpoint in endpoints if endpoint.is_routable)
+        return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
+
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
         The key is hashed with the gateway's secret: a client choosing its session id
@@ -351,19 +397,31 @@ class GatewayService:
             self._judge_canary()
         return Track.STABLE
 
-    def _candidates(self, track: Track, routing: RoutingRequest) -> Iterator[Upstream]:
+    def _candidates(
+        self, track: Track, routing: RoutingRequest, tier: str = PRIMARY
+    ) -> Iterator[Upstream]:
         """The router's choice, then its fallbacks. A canary request falls back to stable's
         replicas (asked only when the canary's have failed): its client gets an answer,
-        and the judge has already counted the canary's failure."""
-        tracks = [Track.CANARY, Track.STABLE] if track is Track.CANARY else [track]
-        for candidate_track in tracks:
+        and the judge has already counted the canary's failure. A cheaper tier's request
+        falls back to the primary's stable replicas the same way."""
+        groups = [(track, PRIMARY)]
+        if track is Track.CANARY:
+            groups.append((Track.STABLE, PRIMARY))
+        if tier != PRIMARY:
+            groups = [(Track.STABLE, tier), (Track.STABLE, PRIMARY)]
+        for i, (candidate_track, candidate_tier) in enumerate(groups):
+            router = (
+                self.routers[candidate_track]
+                if candidate_tier == PRIMARY
+                else self.tier_routers[candidate_tier]
+            )
             try:
-                decision = self.routers[candidate_track].choose(
-                    routing, self.pool.endpoints(candidate_track)
+                decision = router.choose(
+                    routing, self.pool.endpoints(candidate_track, candidate_tier)
                 )
             except NoEndpointError:
                 continue
-            if candidate_track is track:
+            if i == 0:
                 self.metrics.routing_decisions.labels(self.policy, str(decision.reason)).inc()
             for endpoint in [decision.endpoint, *decision.fallbacks]:
                 if (upstream := self.pool.get(endpoint.endpoint_id)) is not None:
@@ -373,7 +431,8 @@ class GatewayService:
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
     ) -> Response:
         resilience = self.config.resilience
-        track = self.pick_track(parsed, tenant, request_id)
+        tier = self.pick_tier(parsed, tenant).tier
+        track = self.pick_track(parsed, tenant, request_id) if tier == PRIMARY else Track.STABLE
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate)
         pass_usage_event = True
@@ -398,7 +457,7 @@ class GatewayService:
         num_attempts = num_candidates = 0
         try:
             async with asyncio.timeout_at(deadline):
-                for upstream in self._candidates(track, routing):
+                for upstream in self._candidates(track, routing, tier):
                     num_candidates += 1
                     if num_attempts >= self.retry_policy.max_attempts:
                         break
@@ -431,7 +490,7 @@ class GatewayService:
             resume = None
             if failover:
                 resume = functools.partial(
-                    self._resume, path, parsed, headers, track, routing, hold, request_id
+                    self._resume, path, parsed, headers, track, tier, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
                                 resume)  # fmt: skip
@@ -549,6 +608,7 @@ class GatewayService:
         parsed: ParsedRequest,
         headers: dict[str, str],
         track: Track,
+        tier: str,
         routing: RoutingRequest,
         hold: _Hold,
         request_id: str,
@@ -564,7 +624,7 @@ class GatewayService:
             self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
             return None
         content = parsed.encode(resume_token_ids=progress.token_ids)
-        for upstream in self._candidates(track, routing):
+        for upstream in self._candidates(track, routing, tier):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
             if upstream.endpoint_id in hold.tried or not upstream.breaker.allow_request():
@@ -765,4 +825,5 @@ def _response_headers(attempt: Attempt, request_id: str) -> dict[str, str]:
         "x-request-id": request_id,
         "x-modelship-release": attempt.upstream.release,
         "x-modelship-variant": attempt.upstream.variant,
+        TIER_HEADER: attempt.upstream.tier,
     }

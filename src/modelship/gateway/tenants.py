@@ -64,6 +64,11 @@ class TenantConfig(BaseModel):
     # makes one tenant's request faster when another sent the same prefix, so each can
     # time the other's prompts). None: a namespace of the tenant's own.
     cache_namespace: str | None = Field(default=None, min_length=1)
+    # Precision tiers (`gateway.tiers`): false keeps every request of this tenant on the
+    # primary tier (the production release's variant), however loaded; `min_variant` lets
+    # it go down to the tier serving that variant, no further.
+    allow_degraded: bool = True
+    min_variant: str | None = Field(default=None, min_length=1)
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod

@@ -460,3 +460,38 @@ def test_lora_adapters_render_for_both_engines(gpu: str) -> None:
             "chat=/data/adapters/chat",
         ]
     assert flags[flags.index("--max-loras") + 1] == "2"
+
+
+@pytest.mark.parametrize("autoscaler", ["hpa", "keda"])
+def test_a_tier_is_an_engine_deployment_of_its_variant(autoscaler: str, schema_dir: Path) -> None:
+    gateway = {"tiers": [{"name": "economy", "variant": "gptq", "min_replicas": 1,
+                          "max_replicas": 3}]}  # fmt: skip
+    objects = render(config_for("deployment", autoscaler, gateway=gateway)).objects
+    assert validate_objects(objects, schema_dir) == []
+    assert check_objects(objects) == []
+    name = f"{NAME}-engine-tier-economy"
+    tier = one(objects, "Deployment", name)
+    container = tier["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][1] == f"/data/models/{NAME}/optimized/gptq"
+    assert container["args"][container["args"].index("--variant") + 1] == "gptq"
+    assert "replicas" not in tier["spec"]  # its autoscaler owns it
+    one(objects, "Service", name)
+    if autoscaler == "keda":
+        scaled = one(objects, "ScaledObject", name)["spec"]
+        assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (1, 3)
+        assert f'pod=~"{name}-' in scaled["triggers"][0]["metadata"]["query"]
+    else:
+        hpa = one(objects, "HorizontalPodAutoscaler", name)["spec"]
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 3)
+        assert hpa["scaleTargetRef"]["name"] == name
+    gateway_pod = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in gateway_pod["containers"][0]["env"]}
+    assert env["MODELSHIP_GATEWAY_TIER_ENDPOINTS"] == f"economy=http://{name}:8000"
+
+
+def test_tiers_are_not_rendered_for_kserve() -> None:
+    from modelship.deploy.render import RenderError
+
+    gateway = {"tiers": [{"name": "economy", "variant": "gptq"}]}
+    with pytest.raises(RenderError, match=r"gateway\.tiers: rendered for deploy\.serving\.kind"):
+        render(config_for("kserve", gateway=gateway))

@@ -399,3 +399,34 @@ def test_an_admin_changes_adapters_on_every_replica_given_by_address(
     unloaded = post(gateway, {"lora_name": "extra"}, ADMIN_KEY, "/v1/unload_lora_adapter")
     assert unloaded.status_code == 200
     assert post(gateway, {**chat(), "model": "extra"}).status_code == 404
+
+
+def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
+    tiers = {
+        "tenants": tenants(),
+        "tiers": [{"name": "economy", "variant": "int4"}],
+        "tier_rules": [{"name": "short", "tier": "economy", "max_output_tokens": 4}],
+    }
+    gateway = GatewayProcess(tmp_path, tiers, "--endpoint", replica.url,
+                             "--tier-endpoint", f"economy={replica.url}")  # fmt: skip
+    try:
+        gateway.wait_ready(60)
+        c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=LOW, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        for max_tokens, tier, variant in [(4, "economy", "int4"), (8, "primary", "unknown")]:
+            response = c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=max_tokens
+            )
+            headers = response.headers
+            assert (headers["x-modelship-tier"], headers["x-modelship-variant"]) == (tier, variant)
+        assert gateway.metric("modelship_gateway_tier_decisions_total", reason="short") == 1
+    finally:
+        gateway.stop()
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "modelship", "gateway", "--config", str(tmp_path / "pipeline.yaml"),
+         "--endpoint", replica.url, "--tier-endpoint", f"gold={replica.url}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "'gold=" in bad.stderr and "one of gateway.tiers (economy)" in bad.stderr

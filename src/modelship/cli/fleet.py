@@ -62,6 +62,13 @@ def gateway(
         int | None,
         typer.Option(help="Percent to the canary (else $MODELSHIP_GATEWAY_CANARY_WEIGHT)."),
     ] = None,
+    tier_endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="TIER=URL: a replica of a gateway.tiers tier (repeatable; else "
+            "$MODELSHIP_GATEWAY_TIER_ENDPOINTS, comma-separated)."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
@@ -89,6 +96,17 @@ def gateway(
     pool = EndpointPool(config.gateway.resilience)
     static_upstreams(pool, stable, Track.STABLE, "stable")
     static_upstreams(pool, canary, Track.CANARY, "canary")
+    tiers = {tier.name: tier for tier in config.gateway.tiers}
+    tier_urls: dict[str, list[str]] = {}
+    for item in tier_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_TIER_ENDPOINTS")):
+        name, _, url = item.partition("=")
+        if name not in tiers or not url:
+            known = ", ".join(tiers) or "none configured"
+            fail(f"--tier-endpoint {item!r}: expected TIER=URL with TIER one of gateway.tiers "
+                 f"({known})", CONFIG_EXIT_CODE)  # fmt: skip
+        tier_urls.setdefault(name, []).append(url)
+    for name, urls in tier_urls.items():
+        static_upstreams(pool, urls, Track.STABLE, "stable", name, tiers[name].variant)
     # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
     # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
     upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key

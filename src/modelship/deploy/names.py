@@ -76,5 +76,10 @@ def model_path(slug: str, release: int | None = None) -> str:
     return f"{DATA_ROOT}/models/{slug}/{tail}"
 
 
+def variant_path(slug: str, variant: str) -> str:
+    """An optimized variant's folder: what a cheaper tier's engines read."""
+    return f"{DATA_ROOT}/models/{slug}/optimized/{variant}"
+
+
 def metadata(name: str, namespace: str, object_labels: dict[str, str]) -> dict[str, object]:
     return {"name": name, "namespace": namespace, "labels": dict(object_labels)}

@@ -8,7 +8,7 @@ from typing import Any
 
 from modelship.deploy.config import GpuConfig, Resources
 from modelship.deploy.context import RenderContext
-from modelship.deploy.names import CONFIG_DIR, DATA_ROOT, model_path
+from modelship.deploy.names import CONFIG_DIR, DATA_ROOT, model_path, variant_path
 
 DATA_VOLUME = "data"
 CONFIG_VOLUME = "config"
@@ -222,13 +222,26 @@ def replica_flags(ctx: RenderContext) -> list[str]:
 
 
 def engine_container(
-    ctx: RenderContext, *, name: str, release: int | None, port_name: str | None
+    ctx: RenderContext,
+    *,
+    name: str,
+    release: int | None,
+    port_name: str | None,
+    variant: str | None = None,
 ) -> Json:
-    """The engine container: our `modelship serve` or vLLM, the model read-only from the PVC.
+    """The engine container: our `modelship serve` or vLLM, the model read-only from the PVC:
+    the release's (`production` or a pinned one), or with `variant` that optimized variant
+    (a cheaper tier's).
 
     `port_name` None leaves the probes on the number (Knative names its single port itself).
     """
-    command, args = engine_args(ctx, model_path(ctx.slug, release))
+    if variant is None:
+        model_dir = model_path(ctx.slug, release)
+    else:
+        model_dir = variant_path(ctx.slug, variant)
+    command, args = engine_args(ctx, model_dir)
+    if variant is not None and ctx.serving.engine == "ours":
+        args += ["--variant", variant]  # the label its metrics carry
     vllm = ctx.serving.engine == "vllm"
     port_ref: int | str = port_name or ctx.port
     container: Json = {

@@ -68,6 +68,11 @@ def config_problems(config: ModelshipConfig) -> list[str]:
     for name, port in ports.items():
         if port == METRICS_PORT:
             problems.append(f"{name}: {port} is the Services' metrics port; choose another")
+    if serving.kind == "kserve" and config.gateway.tiers:
+        problems.append(
+            "gateway.tiers: rendered for deploy.serving.kind 'deployment' only (an engine "
+            "Deployment per tier); KServe serves one variant"
+        )
     if serving.kind == "kserve" and config.serve.port in KNATIVE_RESERVED_PORTS:
         problems.append(f"serve.port: {config.serve.port} is reserved by Knative's queue-proxy")
     tasks = [task_name(variant) for variant in config.optimize.variants]

@@ -3,7 +3,9 @@
 The engine replicas are scaled on their own load metrics (scraped from `/metrics` on the
 serve port): in-flight requests per replica against `target_concurrency`, and queued
 requests against `target_waiting`. A canary is a second, fixed-size Deployment serving a
-pinned release behind its own Service; the gateway splits traffic between the two.
+pinned release behind its own Service; the gateway splits traffic between the two. Each of
+`gateway.tiers` is one more Deployment + Service serving its optimized variant, autoscaled
+between the tier's own `min_replicas` and `max_replicas`; the gateway gets its address.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from modelship.deploy.pod import (
     resources,
     termination_grace_s,
 )
+from modelship.gateway.tiers import TierConfig
 
 Json = dict[str, Any]
 ENGINE = "engine"
@@ -40,17 +43,28 @@ def track_names(ctx: RenderContext, track: str) -> tuple[str, str]:
     return f"{ctx.name}-{ENGINE}", ENGINE
 
 
+def tier_names(ctx: RenderContext, tier: TierConfig) -> tuple[str, str]:
+    """(object name, pod component label) of a cheaper tier's engines."""
+    return f"{ctx.name}-{ENGINE}-tier-{tier.name}", f"{ENGINE}-tier-{tier.name}"
+
+
 def serves_annotation(release: int | None) -> str:
     return "production" if release is None else f"releases/{release}"
 
 
-def engine_deployment(ctx: RenderContext, track: str = "stable") -> Json:
-    """Engine replicas serving `production` (or a pinned release), or the canary's release."""
-    name, component = track_names(ctx, track)
+def engine_deployment(
+    ctx: RenderContext, track: str = "stable", tier: TierConfig | None = None
+) -> Json:
+    """Engine replicas serving `production` (or a pinned release), the canary's release, or
+    a cheaper tier's variant."""
+    name, component = track_names(ctx, track) if tier is None else tier_names(ctx, tier)
     canary = ctx.serving.canary
     release = canary.release if track == "canary" and canary else ctx.serving.release
     pod_labels = selector(ctx.name, component)
-    container = engine_container(ctx, name=ENGINE, release=release, port_name="http")
+    variant = None if tier is None else tier.variant
+    container = engine_container(
+        ctx, name=ENGINE, release=release, port_name="http", variant=variant
+    )
     container["lifecycle"] = prestop_sleep(ctx.serving.drain_delay_s)
     pod_spec: Json = {
         "terminationGracePeriodSeconds": termination_grace_s(ctx),
@@ -59,7 +73,8 @@ def engine_deployment(ctx: RenderContext, track: str = "stable") -> Json:
         **gpu_scheduling(ctx.serving.gpu),
     }
     annotations = prometheus_annotations(ctx.port)
-    annotations["modelship.io/serves"] = serves_annotation(release)
+    serves = serves_annotation(release) if variant is None else f"optimized/{variant}"
+    annotations["modelship.io/serves"] = serves
     spec: Json = {
         "selector": {"matchLabels": selector(ctx.name, component)},
         "strategy": {
@@ -71,9 +86,9 @@ def engine_deployment(ctx: RenderContext, track: str = "stable") -> Json:
             "spec": pod_spec,
         },
     }
-    # The stable track has no `replicas`: the HPA/KEDA owns it, and every re-apply by the
-    # workflow would otherwise reset it to the rendered number.
-    if track == "canary" and canary is not None:
+    # The stable track and the tiers have no `replicas`: the HPA/KEDA owns it, and every
+    # re-apply by the workflow would otherwise reset it to the rendered number.
+    if track == "canary" and canary is not None and tier is None:
         spec["replicas"] = canary.replicas
     return {
         "apiVersion": "apps/v1",
@@ -83,8 +98,10 @@ def engine_deployment(ctx: RenderContext, track: str = "stable") -> Json:
     }
 
 
-def engine_service(ctx: RenderContext, track: str = "stable") -> Json:
-    name, component = track_names(ctx, track)
+def engine_service(
+    ctx: RenderContext, track: str = "stable", tier: TierConfig | None = None
+) -> Json:
+    name, component = track_names(ctx, track) if tier is None else tier_names(ctx, tier)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -138,13 +155,23 @@ def pods_metric(metric: str, average: int) -> Json:
     }
 
 
-def horizontal_autoscaler(ctx: RenderContext) -> Json:
+def _scaled(ctx: RenderContext, tier: TierConfig | None) -> tuple[str, str, int, int]:
+    """(name, component, min, max) of what an autoscaler scales: the stable engines or a
+    tier's."""
+    if tier is None:
+        name, component = track_names(ctx, "stable")
+        return name, component, ctx.serving.min_replicas, ctx.serving.max_replicas
+    name, component = tier_names(ctx, tier)
+    return name, component, tier.min_replicas, tier.max_replicas
+
+
+def horizontal_autoscaler(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
     """HPA on the engine's gauges, served to the custom metrics API by prometheus-adapter.
 
     Two metrics, the larger proposal wins: in-flight requests per replica (the concurrency
     target) and queued requests per replica (the engine is saturated when these grow).
     """
-    name, component = track_names(ctx, "stable")
+    name, component, min_replicas, max_replicas = _scaled(ctx, tier)
     prefix = ctx.metric_prefix
     return {
         "apiVersion": "autoscaling/v2",
@@ -152,8 +179,8 @@ def horizontal_autoscaler(ctx: RenderContext) -> Json:
         "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicas": ctx.serving.min_replicas,
-            "maxReplicas": ctx.serving.max_replicas,
+            "minReplicas": min_replicas,
+            "maxReplicas": max_replicas,
             "metrics": [
                 pods_metric(f"{prefix}num_requests_running", ctx.serving.target_concurrency),
                 pods_metric(f"{prefix}num_requests_waiting", ctx.serving.target_waiting),
@@ -164,7 +191,7 @@ def horizontal_autoscaler(ctx: RenderContext) -> Json:
 
 
 def concurrency_query(ctx: RenderContext, pod_prefix: str) -> str:
-    """Requests in flight (running + waiting) over all stable engine pods."""
+    """Requests in flight (running + waiting) over all of one Deployment's engine pods."""
     match = f'namespace="{ctx.namespace}",pod=~"{pod_prefix}-[a-z0-9]+-[a-z0-9]+"'
     prefix = ctx.metric_prefix
     return (
@@ -173,17 +200,17 @@ def concurrency_query(ctx: RenderContext, pod_prefix: str) -> str:
     )
 
 
-def scaled_object(ctx: RenderContext) -> Json:
+def scaled_object(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
     """KEDA: the same target, read from Prometheus directly (no metrics adapter needed)."""
-    name, component = track_names(ctx, "stable")
+    name, component, min_replicas, max_replicas = _scaled(ctx, tier)
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
         "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
-            "minReplicaCount": ctx.serving.min_replicas,
-            "maxReplicaCount": ctx.serving.max_replicas,
+            "minReplicaCount": min_replicas,
+            "maxReplicaCount": max_replicas,
             "pollingInterval": 15,
             "cooldownPeriod": max(ctx.serving.scale_down_stabilization_s, 60),
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": scaling_behavior(ctx)}},
@@ -213,6 +240,10 @@ def gateway_env(ctx: RenderContext) -> list[Json]:
             {"name": "MODELSHIP_GATEWAY_CANARY_ENDPOINTS", "value": f"http://{name}:{ctx.port}"},
             {"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)},
         ]
+    tiers = ctx.config.gateway.tiers
+    if tiers:
+        urls = [f"{tier.name}=http://{tier_names(ctx, tier)[0]}:{ctx.port}" for tier in tiers]
+        env.append({"name": "MODELSHIP_GATEWAY_TIER_ENDPOINTS", "value": ",".join(urls)})
     return env + api_key_env(ctx)  # the key the engines require, when they do
 
 
@@ -285,6 +316,13 @@ def deployment_serving(ctx: RenderContext) -> list[Json]:
     ]
     if ctx.serving.canary is not None:
         objects += [engine_deployment(ctx, "canary"), engine_service(ctx, "canary")]
+    for tier in ctx.config.gateway.tiers:
+        autoscaler = scaled_object if ctx.serving.autoscaler == "keda" else horizontal_autoscaler
+        objects += [
+            engine_deployment(ctx, tier=tier),
+            engine_service(ctx, tier=tier),
+            autoscaler(ctx, tier),
+        ]
     objects += [
         gateway_deployment(ctx),
         gateway_service(ctx),

@@ -257,7 +257,15 @@ def parse_load(text: str) -> tuple[int | None, int | None]:
     )
 
 
-def static_upstreams(pool: EndpointPool, urls: Iterable[str], track: Track, release: str) -> None:
+def static_upstreams(
+    pool: EndpointPool,
+    urls: Iterable[str],
+    track: Track,
+    release: str,
+    tier: str = PRIMARY,
+    variant: str = "unknown",
+) -> None:
     """Endpoints given by address (Kubernetes Services): unhealthy until the first check."""
+    prefix = track if tier == PRIMARY else f"tier-{tier}"
     for i, url in enumerate(urls):
-        pool.add(f"{track}-{i}", url, track, release, is_healthy=False)
+        pool.add(f"{prefix}-{i}", url, track, release, variant, is_healthy=False, tier=tier)

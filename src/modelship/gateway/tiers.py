@@ -44,7 +44,8 @@ class _Section(BaseModel):
 class TierConfig(_Section):
     """One cheaper tier: replicas of an optimized variant of the served model."""
 
-    name: str = Field(min_length=1, pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    # A DNS label: it names the tier's Kubernetes objects too.
+    name: str = Field(min_length=1, max_length=20, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
     variant: str = Field(min_length=1)  # the folder under models/<slug>/variants/
     # Kept running however idle: brown-out needs a ready replica the moment load comes.
     min_replicas: int = Field(default=1, ge=1)

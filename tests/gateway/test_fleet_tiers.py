@@ -196,3 +196,32 @@ def test_a_tier_whose_variant_was_never_built_is_named(tiny_llama_dir: Path, tmp
     message = str(info.value)
     assert "tier 'economy' serves variant 'int4'" in message
     assert str(storage.variant_dir(SLUG, "int4")) in message
+
+
+def test_a_tier_replica_is_probed_against_its_own_variants_golden_answers(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    """The drift probe compares a replica with what select recorded for the variant it
+    serves: a cheaper tier's gptq replica is not held to the fp16 release's answers."""
+    import json
+
+    from modelship import golden
+    from modelship.config import ModelshipConfig
+    from modelship.fleet.local import LocalFleet
+
+    def answer(text: str) -> dict:
+        return {"prompt": "2+2=", "text": text, "tokens": [text], "logprobs": [-0.1]}
+
+    storage = Storage(tmp_path / "storage")
+    release = publish_release(storage, SLUG, tiny_llama_dir, "fp16")
+    storage.set_production(SLUG, release)
+    publish_variant(storage, SLUG, tiny_llama_dir, "int4")
+    folder = storage.release_dir(SLUG, release)
+    golden.write_reference(folder / golden.GOLDEN_FILE, [golden.GoldenAnswer(**answer("4"))])
+    evaluations = {"int4": {"serving": {"golden": [answer("four")]}}, "awq": {"serving": {}}}
+    (folder / "production_metrics.json").write_text(json.dumps({"evaluations": evaluations}))
+    fleet = LocalFleet(ModelshipConfig.from_dict(tiers_config()), storage, SLUG)
+
+    assert [a.text for a in fleet._golden_reference(str(release), "fp16")] == ["4"]
+    assert [a.text for a in fleet._golden_reference(str(release), "int4")] == ["four"]
+    assert fleet._golden_reference(str(release), "awq") is None  # not recorded: not probed

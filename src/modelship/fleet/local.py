@@ -97,7 +97,7 @@ class LocalFleet:
             on_drift=self._drifted,
         )
         self.service.metrics.registry.register(self.drift_probe)
-        self._references: dict[str, list[golden.GoldenAnswer] | None] = {}
+        self._references: dict[tuple[str, str], list[golden.GoldenAnswer] | None] = {}
         self._priced: set[int] = set()
         self.service.ledger = UsageLedger(storage.model_dir(slug) / USAGE_DIR)
         self._tasks: list[asyncio.Task] = []
@@ -237,16 +237,23 @@ class LocalFleet:
         self.service.set_canary_weight(0)
         self.supervisor.set_target(Track.CANARY, None)
 
-    def _golden_reference(self, release: str) -> list[golden.GoldenAnswer] | None:
-        """The release's golden answers as select recorded them (None: none recorded)."""
-        if release not in self._references:
+    def _golden_reference(self, release: str, variant: str) -> list[golden.GoldenAnswer] | None:
+        """The golden answers select recorded for `variant` in `release` (None: none): the
+        release's own variant's in `golden.json`, a cheaper tier's from its evaluation in
+        `production_metrics.json` (select measured every variant the same way)."""
+        key = (release, variant)
+        if key not in self._references:
             try:
                 folder = self.storage.release_dir(self.slug, int(release))
-                self._references[release] = golden.read_reference(folder / golden.GOLDEN_FILE)
-            except (ValueError, KeyError, TypeError) as exc:  # unreadable: nothing to compare
-                logger.warning("release %s: golden.json unreadable (%s); not probed", release, exc)
-                self._references[release] = None
-        return self._references[release]
+                answers = golden.read_reference(folder / golden.GOLDEN_FILE)
+                if variant != self.release_spec(int(release)).variant:
+                    answers = _evaluated_golden(folder, variant)
+                self._references[key] = answers
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # nothing to compare
+                logger.warning("release %s, variant %s: golden answers unreadable (%s); not "
+                               "probed", release, variant, exc)  # fmt: skip
+                self._references[key] = None
+        return self._references[key]
 
     def _drifted(self, upstream: Upstream, result: ProbeResult) -> None:
         probe = self.config.gateway.drift_probe
@@ -286,3 +293,15 @@ class LocalFleet:
 
     def app(self) -> Starlette:
         return create_gateway_app(self.service, on_startup=[self._start], on_shutdown=[self._stop])
+
+
+def _evaluated_golden(release_dir: Path, variant: str) -> list[golden.GoldenAnswer] | None:
+    """`variant`'s golden answers as select's evaluation of it recorded them."""
+    path = release_dir / "production_metrics.json"
+    try:
+        metrics = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    serving = ((metrics.get("evaluations") or {}).get(variant) or {}).get("serving") or {}
+    answers = serving.get("golden")
+    return [golden.GoldenAnswer(**answer) for answer in answers] if answers else None

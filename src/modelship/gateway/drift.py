@@ -53,7 +53,7 @@ class DriftProbe(Collector):
         config: DriftProbeConfig,
         pool: EndpointPool,
         client: Callable[[], httpx.AsyncClient | None],
-        reference: Callable[[str], list[golden.GoldenAnswer] | None],
+        reference: Callable[[str, str], list[golden.GoldenAnswer] | None],
         headers: dict[str, str] | None = None,
         on_drift: Callable[[Upstream, ProbeResult], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -61,7 +61,9 @@ class DriftProbe(Collector):
         self.config = config
         self.pool = pool
         self.client = client  # the gateway's, once it started
-        self.reference = reference  # release -> its golden answers (None: none recorded)
+        # (release, variant) -> the variant's golden answers (None: none recorded); a
+        # cheaper tier's replicas serve another variant than the release's own.
+        self.reference = reference
         self.headers = headers or {}
         self.on_drift = on_drift
         self.clock = clock
@@ -94,7 +96,7 @@ class DriftProbe(Collector):
         await asyncio.gather(*(self.probe(u) for u in due))
 
     async def probe(self, upstream: Upstream) -> ProbeResult | None:
-        reference = self.reference(upstream.release)
+        reference = self.reference(upstream.release, upstream.variant)
         client = self.client()
         if reference is None or client is None:
             return None

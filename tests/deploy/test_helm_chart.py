@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_tools import CHART_DIR, config_for
+from k8s_tools import CHART_DIR, config_for, one
 
 from modelship.config import ModelshipConfig
 from modelship.deploy.checks import check_objects
@@ -19,6 +19,13 @@ from modelship.deploy.render import render
 from modelship.deploy.validate import validate_objects
 
 Json = dict[str, Any]
+NAME = "smollm2-135m-instruct"  # the default config's
+TIERS = {
+    "tiers": [
+        {"name": "economy", "variant": "gptq", "min_replicas": 1, "max_replicas": 3},
+        {"name": "bulk", "variant": "int4", "min_replicas": 2, "max_replicas": 5},
+    ]
+}
 CASES = {
     "cpu-hpa": lambda: config_for("deployment", "hpa"),
     "gpu-keda-canary": lambda: config_for("deployment", "keda", "gpu", canary=True),
@@ -27,6 +34,9 @@ CASES = {
         deploy={"name": "chat", "namespace": "llm", "serving": {"release": 3}},
         serve={"grace_period_s": 2.5, "served_model_name": "chat-model"},
     ),
+    "cpu-hpa-tiers": lambda: config_for("deployment", "hpa", gateway=TIERS),
+    "gpu-keda-canary-tiers": lambda: config_for("deployment", "keda", "gpu", True, gateway=TIERS),
+    "vllm-hpa-tiers": lambda: config_for("deployment", "hpa", "vllm", gateway=TIERS),
 }
 
 
@@ -90,6 +100,53 @@ def test_chart_renders_what_deploy_render_does(
     assert check_objects(objects) == []
 
 
+@pytest.mark.parametrize("autoscaler", ["hpa", "keda"])
+def test_chart_renders_a_tier_as_deploy_render_does(
+    autoscaler: str, helm: Path, tmp_path: Path
+) -> None:
+    rendered = render(config_for("deployment", autoscaler, gateway=TIERS))
+    assert rendered.helm_values is not None
+    assert rendered.helm_values["tiers"][0] == {
+        "name": "economy", "variant": "gptq", "minReplicas": 1, "maxReplicas": 3,
+    }  # fmt: skip
+    charted = helm_template(helm, rendered.helm_values, tmp_path)
+    expected = rendered.files["serving.yaml"]
+    name = f"{NAME}-engine-tier-economy"
+
+    def engine(objects: list[Json]) -> Json:
+        spec = one(objects, "Deployment", name)["spec"]
+        return {
+            "serves": spec["template"]["metadata"]["annotations"]["modelship.io/serves"],
+            "args": spec["template"]["spec"]["containers"][0]["args"],
+            "selector": spec["selector"],
+        }
+
+    def scaling(objects: list[Json]) -> tuple[int, int, str]:
+        if autoscaler == "keda":
+            spec = one(objects, "ScaledObject", name)["spec"]
+            bounds = (spec["minReplicaCount"], spec["maxReplicaCount"])
+        else:
+            spec = one(objects, "HorizontalPodAutoscaler", name)["spec"]
+            bounds = (spec["minReplicas"], spec["maxReplicas"])
+        return (*bounds, spec["scaleTargetRef"]["name"])
+
+    def tier_endpoints(objects: list[Json]) -> str:
+        gateway = one(objects, "Deployment", f"{NAME}-gateway")
+        env = gateway["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {e["name"]: e.get("value") for e in env}["MODELSHIP_GATEWAY_TIER_ENDPOINTS"]
+
+    ours = engine(charted)
+    assert ours["serves"] == "optimized/gptq"
+    assert ours["args"][1] == f"/data/models/{NAME}/optimized/gptq"
+    assert ours["args"][-2:] == ["--variant", "gptq"]
+    assert "replicas" not in one(charted, "Deployment", name)["spec"]  # its autoscaler's
+    assert ours == engine(expected)
+    assert one(charted, "Service", name)["spec"] == one(expected, "Service", name)["spec"]
+    assert scaling(charted) == scaling(expected) == (1, 3, name)
+    endpoints = f"economy=http://{name}:8000,bulk=http://{NAME}-engine-tier-bulk:8000"
+    assert tier_endpoints(charted) == tier_endpoints(expected) == endpoints
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -97,6 +154,12 @@ def test_chart_renders_what_deploy_render_does(
         ("canary.weight=100", "weight"),
         ("engine.port=9090", "port"),
         ("replicas=3", "replicas"),
+        (
+            "tiers[0].name=canary,tiers[0].variant=gptq,tiers[0].minReplicas=1,"
+            "tiers[0].maxReplicas=1",
+            "/tiers/0/name",
+        ),
+        ("tiers[0].name=economy,tiers[0].variant=gptq", "maxReplicas"),
     ],
 )
 def test_values_schema_rejects_bad_values(helm: Path, override: str, message: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from modelship.deploy.config import GpuConfig, Resources
 from modelship.deploy.context import RenderContext
 from modelship.deploy.pod import engine_flags
+from modelship.gateway.tiers import TierConfig
 
 Json = dict[str, Any]
 
@@ -28,6 +29,15 @@ def _gpu(gpu: GpuConfig | None) -> Json | None:
         "resource": gpu.resource,
         "nodeLabels": dict(gpu.node_labels),
         "tolerations": [t.model_dump(exclude_none=True) for t in gpu.tolerations],
+    }
+
+
+def _tier(tier: TierConfig) -> Json:
+    return {
+        "name": tier.name,
+        "variant": tier.variant,
+        "minReplicas": tier.min_replicas,
+        "maxReplicas": tier.max_replicas,
     }
 
 
@@ -71,6 +81,7 @@ def helm_values(ctx: RenderContext) -> Json:
         "canary": None
         if canary is None
         else {"release": canary.release, "weight": canary.weight, "replicas": canary.replicas},
+        "tiers": [_tier(tier) for tier in ctx.config.gateway.tiers],
         "gateway": {
             "replicas": serving.gateway.replicas,
             "port": serving.gateway.port,

@@ -115,9 +115,17 @@ prometheus.io/port: {{ . | toString | quote }}
 prometheus.io/path: /metrics
 {{- end }}
 
-{{/* Where the engine reads the model. Call with (dict "root" $ "release" n-or-nil). */}}
+{{/*
+What engines serve, under /data/models/<slug>/: `production`, a pinned `releases/<n>`, or a
+tier's `optimized/<variant>`. Call with (dict "release" n-or-nil "variant" v-or-nil).
+*/}}
+{{- define "modelship.serves" -}}
+{{- if .variant }}optimized/{{ .variant }}{{ else if .release }}releases/{{ .release }}{{ else }}production{{ end }}
+{{- end }}
+
+{{/* Where the engine reads the model. Call with (dict "root" $ "release" n "variant" v). */}}
 {{- define "modelship.modelPath" -}}
-/data/models/{{ .root.Values.model.slug }}/{{ if .release }}releases/{{ .release }}{{ else }}production{{ end }}
+/data/models/{{ .root.Values.model.slug }}/{{ include "modelship.serves" . }}
 {{- end }}
 
 {{- define "modelship.apiKeyEnv" -}}

@@ -476,6 +476,7 @@ def test_a_tier_is_an_engine_deployment_of_its_variant(autoscaler: str, schema_d
     assert container["args"][container["args"].index("--variant") + 1] == "gptq"
     assert "replicas" not in tier["spec"]  # its autoscaler owns it
     one(objects, "Service", name)
+    one(objects, "PodDisruptionBudget", name)  # a node drain keeps the tier's minimum
     if autoscaler == "keda":
         scaled = one(objects, "ScaledObject", name)["spec"]
         assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (1, 3)

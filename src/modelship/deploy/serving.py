@@ -321,6 +321,7 @@ def deployment_serving(ctx: RenderContext) -> list[Json]:
         objects += [
             engine_deployment(ctx, tier=tier),
             engine_service(ctx, tier=tier),
+            disruption_budget(ctx, *tier_names(ctx, tier)),  # a drain keeps its minimum
             autoscaler(ctx, tier),
         ]
     objects += [

@@ -46,7 +46,7 @@ class TierConfig(_Section):
 
     # A DNS label: it names the tier's Kubernetes objects too.
     name: str = Field(min_length=1, max_length=20, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
-    variant: str = Field(min_length=1)  # the folder under models/<slug>/variants/
+    variant: str = Field(min_length=1)  # the folder under models/<slug>/optimized/
     # Kept running however idle: brown-out needs a ready replica the moment load comes.
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)

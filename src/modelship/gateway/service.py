@@ -146,12 +146,15 @@ class GatewayService:
         self.ledger: UsageLedger | None = None
         self.is_draining = False
         self.client: httpx.AsyncClient | None = None
+        # The client's connection pool; requests to replicas are sent on it directly.
+        self.transport: httpx.AsyncHTTPTransport | None = None
         self._health_task: asyncio.Task | None = None
 
     # Lifecycle ---------------------------------------------------------------------------
     async def start(self, health_checks: bool = True) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self.client = httpx.AsyncClient(limits=limits, timeout=None)
+        self.transport = httpx.AsyncHTTPTransport(limits=limits)
+        self.client = httpx.AsyncClient(transport=self.transport, timeout=None)
         if health_checks:
             checker = HealthChecker(self.pool, self.client)
             # Before listening (the app's startup runs first): a gateway restarted under load
@@ -534,7 +537,7 @@ class GatewayService:
             routing.estimated_output_tokens or 0
         )
         send = send_attempt(
-            self.client,
+            self.transport,
             upstream,
             path,
             content,

@@ -5,8 +5,8 @@ clients move on), lets requests in flight finish within the grace period, then s
 uvicorn; the app's shutdown hooks then drain and stop any replicas it supervises. A
 second signal stops at once.
 
-uvicorn runs on uvloop and httptools' HTTP parser (both C), which take less of each request's
-time than asyncio and h11 (pure Python, the fallback where they are not installed).
+uvicorn runs on uvloop and httptools' HTTP parser (both C): each request costs the gateway
+less CPU than on asyncio and h11 (pure Python, the fallback where they are not installed).
 """
 
 from __future__ import annotations

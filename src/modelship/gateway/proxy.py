@@ -82,7 +82,7 @@ async def send_attempt(
 
     Sent on the transport, not through a client: a proxy wants none of a client's
     per-request work (its default headers, cookie jar, auth and redirect flows), which
-    took a third of the time httpx spent on a request."""
+    was over a quarter of httpx's CPU per request."""
     timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
     request = httpx.Request(
         "POST", upstream.url + path, content=content, headers=headers,

@@ -154,7 +154,9 @@ class GatewayService:
     async def start(self, health_checks: bool = True) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.transport = httpx.AsyncHTTPTransport(limits=limits)
-        self.client = httpx.AsyncClient(transport=self.transport, timeout=None)
+        # trust_env off: replicas are never reached through an HTTP_PROXY of the environment
+        # (the requests sent on the transport never were).
+        self.client = httpx.AsyncClient(transport=self.transport, timeout=None, trust_env=False)
         if health_checks:
             checker = HealthChecker(self.pool, self.client)
             # Before listening (the app's startup runs first): a gateway restarted under load

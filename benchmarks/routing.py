@@ -236,10 +236,11 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
         for a, b in zip(after, before, strict=True)
     )
     ttfts.sort()
-    decisions = {
-        name.removeprefix("modelship_gateway_routing_decisions_total"): value
-        for name, value in fleet.metrics().items()
-        if name.startswith("modelship_gateway_routing_decisions_total")
+    decisions = {  # by reason: how often affinity held, and how often the load bound moved
+        sample.labels.get("reason", ""): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{fleet.url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "modelship_gateway_routing_decisions_total"
     }
     return {
         "hit_rate": hits / queries if queries else 0.0,

@@ -13,9 +13,10 @@ tokens / prompt tokens, from the replicas' /metrics) next to its ceiling (perfec
 the same prompts and answers: `ceiling_hit_rate`), TTFT p50/p95 (first content chunk),
 output tok/s, requests/s, and load imbalance (mean over 100 ms samples, taken while any
 request runs, of max/mean of running + waiting across replicas; `imbalance_busy` in the JSON
-counts only the samples taken while all --concurrency requests run). Then the gateway's
-overhead: the same 1-token request sent alternately to a replica and through the gateway.
-Prints a table and writes JSON (default benchmarks/results/routing.json).
+counts only the samples taken while all --concurrency requests run, `load_samples` holds
+every sample). Then the gateway's overhead: the same 1-token request sent alternately to a
+replica and through the gateway. Prints a table and writes JSON (default
+benchmarks/results/routing.json).
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
     num_chunks = 0
     imbalance: list[float] = []
     imbalance_busy: list[float] = []  # only while all --concurrency requests run
+    load_samples: list[list[float]] = []  # running + waiting per replica, each sample
     done = asyncio.Event()
 
     async def sample(client: httpx.AsyncClient) -> None:
@@ -199,6 +201,7 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
                     if line.startswith(("modelship:num_requests_running",
                                         "modelship:num_requests_waiting"))
                 ))  # fmt: skip
+            load_samples.append(loads)
             if sum(loads) > 0:
                 imbalance.append(max(loads) / (sum(loads) / len(loads)))
                 if sum(loads) >= concurrency:
@@ -236,6 +239,12 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
         for a, b in zip(after, before, strict=True)
     )
     ttfts.sort()
+    # What each replica finished: their sum against this run's turns shows whether the
+    # replicas served requests beyond the client's.
+    finished = "modelship:request_success_total"
+    replica_requests = [
+        a.get(finished, 0.0) - b.get(finished, 0.0) for a, b in zip(after, before, strict=True)
+    ]
     decisions = {  # by reason: how often affinity held, and how often the load bound moved
         sample.labels.get("reason", ""): sample.value
         for family in text_string_to_metric_families(httpx.get(f"{fleet.url}/metrics").text)
@@ -250,6 +259,8 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
         "requests_s": len(ttfts) / seconds,
         "imbalance": statistics.fmean(imbalance) if imbalance else 1.0,
         "imbalance_busy": statistics.fmean(imbalance_busy) if imbalance_busy else 1.0,
+        "load_samples": load_samples,
+        "replica_requests": replica_requests,
         "seconds": seconds,
         "num_requests": len(ttfts),
         "routing_decisions": decisions,

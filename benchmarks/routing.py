@@ -5,18 +5,18 @@ vs prefix_affinity, plus the gateway's own overhead.
         [--policies round_robin prefix_affinity]
 
 For each policy a fresh `modelship up` (min = max = --replicas replicas of the production
-release of the demo model, so no policy inherits another's KV caches) serves the same
-seeded workload: --conversations chats sharing one system prompt, --concurrency of them
-at a time, each turn resending the whole history (the real previous answers included)
-as a streaming chat request. Reported per policy: prefix-cache hit rate (cached prompt
-tokens / prompt tokens, from the replicas' /metrics) next to its ceiling (perfect affinity on
-the same prompts and answers: `ceiling_hit_rate`), TTFT p50/p95 (first content chunk),
-output tok/s, requests/s, and load imbalance (mean over 100 ms samples, taken while any
-request runs, of max/mean of running + waiting across replicas; `imbalance_busy` in the JSON
-counts only the samples taken while all --concurrency requests run, `load_samples` holds
-every sample). Then the gateway's overhead: the same 1-token request sent alternately to a
-replica and through the gateway. Prints a table and writes JSON (default
-benchmarks/results/routing.json).
+release of the demo model, so no policy inherits another's KV caches; the drift probe off,
+as its requests bypass routing) serves the same seeded workload: --conversations chats
+sharing one system prompt, --concurrency of them at a time, each turn resending the whole
+history (the real previous answers included) as a streaming chat request. Reported per
+policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from the replicas'
+/metrics) next to its ceiling (perfect affinity on the same prompts and answers:
+`ceiling_hit_rate`), TTFT p50/p95 (first content chunk), output tok/s, requests/s, and load
+imbalance (mean over 100 ms samples, taken while any request runs, of max/mean of running +
+waiting across replicas; `imbalance_busy` in the JSON counts only the samples taken while
+all --concurrency requests run, `load_samples` holds every sample). Then the gateway's
+overhead: the same 1-token request sent alternately to a replica and through the gateway.
+Prints a table and writes JSON (default benchmarks/results/routing.json).
 """
 
 from __future__ import annotations
@@ -98,7 +98,13 @@ class Fleet:
         self.tokenizer = load_tokenizer(release)  # the replicas' own
         config = {
             "serve": {"engine": {"max_model_len": 2048, "kv_cache_memory_mb": 256}},
-            "gateway": {"port": self.port, "routing": {"policy": policy}},
+            # No drift probe: it asks every replica its golden prompts as soon as it is
+            # ready, directly (no routing), i.e. during the workload: load no policy sees.
+            "gateway": {
+                "port": self.port,
+                "routing": {"policy": policy},
+                "drift_probe": {"enabled": False},
+            },
             "autoscale": {"min_replicas": replicas, "max_replicas": replicas},
         }
         path = workdir / f"{policy}.yaml"

@@ -25,7 +25,7 @@ class Reason(StrEnum):
     ROUND_ROBIN = "round_robin"
     LEAST_TOKENS = "least_tokens"
     AFFINITY_HIT = "affinity_hit"  # the request extends a prefix seen on this endpoint
-    AFFINITY_NEW = "affinity_new"  # the ring's first choice for a prefix not seen yet
+    AFFINITY_NEW = "affinity_new"  # continues no tracked prompt: the least loaded endpoint
     SESSION_HIT = "session_hit"
     SESSION_NEW = "session_new"
     LOAD_BOUND = "load_bound"  # the preferred endpoint was over the load bound

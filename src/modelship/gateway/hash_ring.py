@@ -6,7 +6,10 @@ arcs it gains or loses (about 1/n of them). The load bound (Mirrokni, Thorup and
 Zadimoghaddam, "Consistent Hashing with Bounded Loads") keeps hot keys from piling onto
 one replica: with the new request counted, no endpoint may hold more than
 `ceil(c * average)` requests in flight, and a key whose owner is full walks on clockwise
-to the next endpoint that has room. For c >= 1 some endpoint always has room.
+to the next endpoint that has room. For c >= 1 some endpoint always has room. The strict
+bound rounds `c * average` down instead (never below `ceil(average)`, so some endpoint
+still has room): in a small fleet rounding up is a whole request over the average, at 4
+endpoints holding 8 requests ceil(1.25 * 2) = 3 = 1.5x the average.
 
 Hashes are blake2b, never Python's `hash()`, so every gateway process (and every restart)
 places keys identically.
@@ -40,10 +43,16 @@ def prefix_block_hashes(text: str, block_chars: int, max_blocks: int) -> list[by
     return hashes
 
 
-def load_bound(endpoints: Sequence[Endpoint], load_factor: float) -> int:
-    """The most requests any endpoint may hold once the next request is placed."""
+def load_bound(endpoints: Sequence[Endpoint], load_factor: float, *, strict: bool = False) -> int:
+    """The most requests any endpoint may hold once the next request is placed:
+    `ceil(load_factor * average)`, or with `strict` at most `load_factor * average` unless
+    that is under `ceil(average)`. Either way the least loaded endpoint has room."""
     total = sum(endpoint.in_flight for endpoint in endpoints) + 1
-    return math.ceil(load_factor * total / len(endpoints))
+    if not strict:
+        return math.ceil(load_factor * total / len(endpoints))
+    # ceil(average) in integers; the tolerance keeps e.g. 1.15 * 20 (22.999...) at 23.
+    at_least = -(-total // len(endpoints))
+    return max(at_least, math.floor(load_factor * total / len(endpoints) + 1e-9))
 
 
 def has_room(endpoint: Endpoint, bound: int) -> bool:

@@ -9,9 +9,10 @@ await, so the next decision sees it.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from modelship.gateway.endpoint import (
     Decision,
@@ -55,25 +56,28 @@ class _Rotation:
         return [(i - start) % num_candidates for i in range(num_candidates)]
 
 
-class _LRUMap:
-    """A key -> endpoint id map that forgets the least recently used beyond `max_size`."""
+V = TypeVar("V")
+
+
+class _LRUMap(Generic[V]):
+    """A map that forgets the least recently used keys beyond `max_size`."""
 
     def __init__(self, max_size: int) -> None:
         if max_size < 0:
             raise ValueError("the LRU size must be >= 0")
         self.max_size = max_size
-        self._items: OrderedDict[bytes | str, str] = OrderedDict()
+        self._items: OrderedDict[bytes | str, V] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: bytes | str) -> str | None:
+    def get(self, key: bytes | str) -> V | None:
         value = self._items.get(key)
         if value is not None:
             self._items.move_to_end(key)
         return value
 
-    def put(self, key: bytes | str, value: str) -> None:
+    def put(self, key: bytes | str, value: V) -> None:
         if self.max_size == 0:
             return
         self._items[key] = value
@@ -153,16 +157,32 @@ class LeastOutstandingTokensRouter:
         return Decision(order[0], Reason.LEAST_TOKENS, tuple(order[1:]))
 
 
-class PrefixAffinityRouter:
-    """Send requests that share a prompt prefix where that prefix is already cached.
+def _prompt_key(block_hash: bytes, tail: str) -> bytes:
+    """A prompt's identity: its chained full blocks and the partial block after them."""
+    return hashlib.blake2b(block_hash + tail.encode(), digest_size=16).digest()
 
-    The prompt's leading full blocks of `block_chars` characters (at most `max_blocks`) are
-    hash-chained. A request whose leading blocks are exactly the hashed prompt of an
-    earlier request (a conversation's next turn extends its previous history) goes where
-    that request went: an affinity hit. Any other prompt is placed on the consistent-hash
-    ring by the hash of its whole hashed prefix, so chats that share only a system prompt
-    still spread across replicas. Either way the bounded-load rule applies. Memory: an LRU
-    of `max_tracked_prefixes` prefix hashes; 0 leaves the ring alone to decide.
+
+class PrefixAffinityRouter:
+    """Send a conversation's turns where its history is already cached.
+
+    The prompt's first `block_chars * max_blocks` characters (its window) are hashed in
+    chained full blocks of `block_chars`. A request whose window continues the window of
+    an earlier request (a conversation's next turn resends its history) goes where that
+    request went, its home: an affinity hit. Continuing means the earlier window's full
+    blocks lead this one's and its partial last block follows them here too, so prompts
+    sharing only a system prompt are no hit, even where a first message as short as "hi"
+    leaves all of a prompt's full blocks inside the system prompt. Any other prompt has
+    nothing cached anywhere but what all prompts share, so it goes to the least loaded
+    endpoint (fewest requests in flight, then fewest outstanding tokens), the
+    consistent-hash ring of its hashed blocks breaking ties so that at equal loads every
+    gateway places a prompt alike. Placing new conversations by load is what keeps the
+    fleet balanced, as each stays where it started.
+
+    The strict bounded-load rule (`load_bound(strict=True)`) caps every endpoint at
+    `load_factor` x the average in flight, rounded down (never below the average rounded
+    up): a home over it loses the request to the least loaded endpoint, where the
+    conversation is tracked from then on. Memory: an LRU of `max_tracked_prefixes` prompts;
+    0 leaves every prompt to load and the ring.
     """
 
     def __init__(
@@ -180,37 +200,59 @@ class PrefixAffinityRouter:
         self.max_blocks = max_blocks
         self.load_factor = load_factor
         self._ring = HashRing(virtual_nodes)
-        self._prefixes = _LRUMap(max_tracked_prefixes)
+        # A tracked prompt's key -> its endpoint id; and the hash of its full blocks -> the
+        # lengths of the partial blocks that followed them (fewer than block_chars).
+        self._prompts: _LRUMap[str] = _LRUMap(max_tracked_prefixes)
+        self._tail_lengths: _LRUMap[set[int]] = _LRUMap(max_tracked_prefixes)
         self._rotation = _Rotation()
 
     @property
     def num_tracked_prefixes(self) -> int:
-        return len(self._prefixes)
+        return len(self._prompts)
 
     def choose(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Decision:
         candidates = routable(endpoints)
-        hashes = prefix_block_hashes(request.prefix_text, self.block_chars, self.max_blocks)
+        window = request.prefix_text[: self.block_chars * self.max_blocks]
+        hashes = prefix_block_hashes(window, self.block_chars, self.max_blocks)
         if not hashes:  # under one block: nothing a replica could have cached
             order = _least_loaded(candidates, self._rotation)
             return Decision(order[0], Reason.FALLBACK, tuple(order[1:]))
-        ring_order = self._ring.order(hash64(hashes[-1]), candidates)
-        preferred = self._find_tracked(hashes, candidates)
-        if preferred is None:
-            order, first_reason = ring_order, Reason.AFFINITY_NEW
+        # A stable sort: the ring's order among equally loaded endpoints survives.
+        by_load = sorted(
+            self._ring.order(hash64(hashes[-1]), candidates),
+            key=lambda endpoint: (endpoint.in_flight, endpoint.outstanding_tokens),
+        )
+        home = self._find_home(window, hashes, candidates)
+        if home is None:
+            order, first_reason = by_load, Reason.AFFINITY_NEW
         else:
-            order = [preferred] + [endpoint for endpoint in ring_order if endpoint is not preferred]
+            order = [home] + [endpoint for endpoint in by_load if endpoint is not home]
             first_reason = Reason.AFFINITY_HIT
-        decision = _bounded_choice(order, load_bound(candidates, self.load_factor), first_reason)
-        self._prefixes.put(hashes[-1], decision.endpoint.endpoint_id)
+        bound = load_bound(candidates, self.load_factor, strict=True)
+        decision = _bounded_choice(order, bound, first_reason)
+        if self._prompts.max_size > 0:
+            tail = window[len(hashes) * self.block_chars :]
+            self._prompts.put(_prompt_key(hashes[-1], tail), decision.endpoint.endpoint_id)
+            lengths = self._tail_lengths.get(hashes[-1]) or set()
+            lengths.add(len(tail))
+            self._tail_lengths.put(hashes[-1], lengths)
         return decision
 
-    def _find_tracked(self, hashes: list[bytes], candidates: list[Endpoint]) -> Endpoint | None:
-        """The endpoint of the longest tracked prefix of this prompt, if still routable."""
+    def _find_home(
+        self, window: str, hashes: list[bytes], candidates: list[Endpoint]
+    ) -> Endpoint | None:
+        """The routable endpoint of the longest tracked prompt that `window` starts with."""
         by_id = {endpoint.endpoint_id: endpoint for endpoint in candidates}
-        for prefix_hash in reversed(hashes):
-            endpoint_id = self._prefixes.get(prefix_hash)
-            if endpoint_id in by_id:
-                return by_id[endpoint_id]
+        for num_blocks in range(len(hashes), 0, -1):
+            block_hash = hashes[num_blocks - 1]
+            start = num_blocks * self.block_chars
+            for tail_length in sorted(self._tail_lengths.get(block_hash) or (), reverse=True):
+                if start + tail_length > len(window):
+                    continue
+                tail = window[start : start + tail_length]
+                endpoint_id = self._prompts.get(_prompt_key(block_hash, tail))
+                if endpoint_id in by_id:
+                    return by_id[endpoint_id]
         return None
 
 
@@ -229,7 +271,7 @@ class SessionAffinityRouter:
         _check_load_factor(load_factor)
         self.load_factor = load_factor
         self._ring = HashRing(virtual_nodes)
-        self._sessions = _LRUMap(max_sessions)
+        self._sessions: _LRUMap[str] = _LRUMap(max_sessions)
         self._rotation = _Rotation()
 
     @property

@@ -138,9 +138,11 @@ def prompt(rng: random.Random) -> list[dict]:
     return [{"role": "user", "content": " ".join(rng.choices(WORDS, k=24)) + "?"}]
 
 
-async def one(client: httpx.AsyncClient, url: str, tenant: str, rng, max_tokens: int) -> dict:
+async def one(
+    client: httpx.AsyncClient, url: str, tenant: str, messages: list[dict], max_tokens: int
+) -> dict:
     key = TENANTS[tenant][0]
-    body = {"model": SLUG, "messages": prompt(rng), "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": SLUG, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     started = time.perf_counter()
     try:
         response = await client.post(f"{url}/v1/chat/completions", json=body,
@@ -163,30 +165,37 @@ async def capacity(url: str, seconds: float, max_tokens: int) -> float:
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            result = await one(client, url, "batch", rng, max_tokens)
+            result = await one(client, url, "batch", prompt(rng), max_tokens)
             done += result["status"] == 200
 
     async with httpx.AsyncClient(timeout=600) as client:
-        await one(client, url, "batch", rng, max_tokens)  # warm
+        await one(client, url, "batch", prompt(rng), max_tokens)  # warm
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(PER_REPLICA)))
         return done / (time.perf_counter() - started)
 
 
-async def burst(url: str, rate: float, seconds: float, max_tokens: int, seed: int) -> dict:
+def schedule(rate: float, seconds: float, seed: int) -> list[tuple[float, str, list[dict]]]:
+    """(arrival time, tenant, messages) of every request: the same for both runs."""
     rng = random.Random(seed)
     names = [name for name, (_, _, weight) in TENANTS.items() for _ in range(weight)]
+    arrivals, at = [], 0.0
+    while at < seconds:
+        arrivals.append((at, rng.choice(names), prompt(rng)))
+        at += rng.expovariate(rate)
+    return arrivals
+
+
+async def burst(url: str, arrivals: list[tuple[float, str, list[dict]]], max_tokens: int) -> dict:
     tasks = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         started = time.perf_counter()
-        at = 0.0
-        while at < seconds:
+        for at, tenant, messages in arrivals:
             delay = started + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(client, url, rng.choice(names), rng, max_tokens)))
-            at += rng.expovariate(rate)
+            tasks.append(asyncio.create_task(one(client, url, tenant, messages, max_tokens)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
     return summarize(results, wall)
@@ -209,6 +218,7 @@ def summarize(results: list[dict], wall_s: float) -> dict:
         "failed": sum(r["status"] not in (200, 429, 503) for r in results),
         "by_variant": dict(Counter(r["variant"] for r in served)),
         "premium_variants": dict(Counter(r["variant"] for r in premium)),
+        "sent_by_tenant": dict(Counter(r["tenant"] for r in results)),
         "refused_by_tenant": dict(
             Counter(r["tenant"] for r in results if r["status"] in (429, 503))
         ),
@@ -245,11 +255,10 @@ def main() -> None:
                 burst_rate = args.overload * rate
                 print(f"primary capacity: {rate:.2f} requests/s; burst at {burst_rate:.2f}/s "
                       f"for {args.duration:.0f}s", flush=True)  # fmt: skip
-            arrivals = args.overload * results["capacity_requests_s"]
+            rate = args.overload * results["capacity_requests_s"]
+            arrivals = schedule(rate, args.duration, args.seed)
             print(f"{name}: bursting...", flush=True)
-            results["runs"][name] = asyncio.run(
-                burst(fleet.url, arrivals, args.duration, args.max_tokens, args.seed)
-            )
+            results["runs"][name] = asyncio.run(burst(fleet.url, arrivals, args.max_tokens))
         finally:
             fleet.stop()
 
@@ -264,6 +273,7 @@ def main() -> None:
         print(f"{name:<14}{r['sent']:>6}{r['served']:>8}{r['refused']:>9}{r['failed']:>8}"
               f"{ms(lat['p50_ms']):>9}{ms(lat['p95_ms']):>9}{ms(prem['p95_ms']):>10}  "
               f"{r['by_variant']} (premium: {r['premium_variants']})")  # fmt: skip
+        print(f"{'':<14}sent by tenant {r['sent_by_tenant']}, refused {r['refused_by_tenant']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

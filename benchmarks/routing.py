@@ -15,8 +15,8 @@ policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from the re
 imbalance (mean over 100 ms samples, taken while any request runs, of max/mean of running +
 waiting across replicas; `imbalance_busy` in the JSON counts only the samples taken while
 all --concurrency requests run, `load_samples` holds every sample). Then the gateway's
-overhead: the same 1-token request sent alternately to a replica and through the gateway.
-Prints a table and writes JSON (default benchmarks/results/routing.json).
+overhead: the same 1-token request sent alternately to a replica (each in turn) and
+through the gateway. Prints a table and writes JSON (default benchmarks/results/routing.json).
 """
 
 from __future__ import annotations
@@ -308,12 +308,16 @@ def ceiling_hit_rate(tokenizer, transcripts: list[list[dict]]) -> float:
 
 
 def gateway_overhead(fleet: Fleet, num: int) -> dict:
-    replica = fleet.replica_urls()[0]
+    """The direct requests take turns over every replica, as the gateway's do (an under-one-
+    block prompt goes to the least loaded, ties rotating): a replica that was idle answers
+    its next request later than a busy one does, which is not the gateway's doing."""
+    replicas = fleet.replica_urls()
     body = {"model": DEMO_SLUG, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 1, "temperature": 0}  # fmt: skip
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
     with httpx.Client(timeout=60) as client:
         for i in range(num + 10):
+            replica = replicas[i % len(replicas)]
             for name, url in (("direct", replica), ("gateway", fleet.url)):
                 started = time.perf_counter()
                 client.post(f"{url}/v1/chat/completions", json=body).raise_for_status()

@@ -24,22 +24,18 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
-import yaml
 
 from modelship.gateway import hash_api_key
 from modelship.pipeline.acquire import DEMO_SLUG
-from modelship.server.process import free_port
 from modelship.storage import Storage
 from modelship.storage.store import link_tree
+from processes import UpFleet
 
 SLUG = "brownout-bench"
 PER_REPLICA = 8  # brownout.max_in_flight_per_replica, and the autoscaler's target
@@ -78,60 +74,23 @@ def prepare(storage: Storage, workdir: Path, cheap: str) -> Storage:
     return scratch
 
 
-class Fleet:
-    def __init__(self, storage: Storage, workdir: Path, cheap: str, brownout: bool) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        name = "brownout-on" if brownout else "brownout-off"
-        tenants = [
-            {"name": tenant, "api_key_sha256": hash_api_key(key), "priority": priority}
-            | ({"allow_degraded": False} if priority == "high" else {})
-            for tenant, (key, priority, _) in TENANTS.items()
-        ]
-        config = {
-            "serve": {"engine": {"max_model_len": 1024, "kv_cache_memory_mb": 256}},
-            "gateway": {
-                "port": self.port,
-                "tenants": tenants,
-                "tiers": [{"name": "economy", "variant": cheap}],
-                "brownout": {"enabled": brownout, "max_in_flight_per_replica": PER_REPLICA},
-                "drift_probe": {"enabled": False},
-            },
-            "autoscale": {"min_replicas": 1, "max_replicas": 1, "target_concurrency": PER_REPLICA},
-        }
-        path = workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "modelship", "up", "--config", str(path),
-                   "--storage", str(storage.root), "--model", SLUG]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        """Both tiers' replicas ready."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"modelship up exited; see {self.log.name}")
-            try:
-                text = httpx.get(f"{self.url}/metrics", timeout=2).text
-                ready = [line for line in text.splitlines()
-                         if line.startswith("modelship_gateway_replicas{")
-                         and 'state="ready"' in line and not line.endswith(" 0.0")]  # fmt: skip
-                if len(ready) == 2:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"the fleet was not ready after {timeout_s:.0f}s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
+def fleet_config(cheap: str, brownout: bool) -> dict:
+    """fp16 on one replica, the economy tier on one, tenants of each priority."""
+    tenants = [
+        {"name": tenant, "api_key_sha256": hash_api_key(key), "priority": priority}
+        | ({"allow_degraded": False} if priority == "high" else {})
+        for tenant, (key, priority, _) in TENANTS.items()
+    ]
+    return {
+        "serve": {"engine": {"max_model_len": 1024, "kv_cache_memory_mb": 256}},
+        "gateway": {
+            "tenants": tenants,
+            "tiers": [{"name": "economy", "variant": cheap}],
+            "brownout": {"enabled": brownout, "max_in_flight_per_replica": PER_REPLICA},
+            "drift_probe": {"enabled": False},
+        },
+        "autoscale": {"min_replicas": 1, "max_replicas": 1, "target_concurrency": PER_REPLICA},
+    }
 
 
 def prompt(rng: random.Random) -> list[dict]:
@@ -246,9 +205,10 @@ def main() -> None:
     results: dict = {"settings": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
     for enabled in (False, True):
         name = "brownout on" if enabled else "brownout off"
-        fleet = Fleet(storage, args.workdir, args.cheap, enabled)
+        config = fleet_config(args.cheap, enabled)
+        fleet = UpFleet(config, storage.root, SLUG, args.workdir, name.replace(" ", "-"))
         try:
-            fleet.wait_ready()
+            fleet.wait_ready(2)  # the primary's replica and the economy tier's
             if not enabled:
                 rate = asyncio.run(capacity(fleet.url, args.capacity_s, args.max_tokens))
                 results["capacity_requests_s"] = rate

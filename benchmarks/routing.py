@@ -25,24 +25,19 @@ import argparse
 import asyncio
 import json
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from modelship.engine.options import EngineOptions
 from modelship.engine.tokenizer import load_tokenizer
 from modelship.pipeline.acquire import DEMO_SLUG, acquire
-from modelship.server.process import free_port
 from modelship.storage import Storage
 from modelship.storage.store import link_tree
+from processes import UpFleet
 
 POLICIES = ("round_robin", "least_outstanding_tokens", "prefix_affinity")
 WORDS = [
@@ -89,10 +84,10 @@ def ensure_release(storage: Storage) -> None:
     storage.set_production(DEMO_SLUG, 1)
 
 
-class Fleet:
+class Fleet(UpFleet):
+    """The demo model's production release on `replicas` replicas under `policy`."""
+
     def __init__(self, storage: Storage, workdir: Path, policy: str, replicas: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.replicas = replicas
         release = storage.release_dir(DEMO_SLUG, storage.production_release(DEMO_SLUG))
         self.tokenizer = load_tokenizer(release)  # the replicas' own
@@ -100,68 +95,10 @@ class Fleet:
             "serve": {"engine": {"max_model_len": 2048, "kv_cache_memory_mb": 256}},
             # No drift probe: it asks every replica its golden prompts as soon as it is
             # ready, directly (no routing), i.e. during the workload: load no policy sees.
-            "gateway": {
-                "port": self.port,
-                "routing": {"policy": policy},
-                "drift_probe": {"enabled": False},
-            },
+            "gateway": {"routing": {"policy": policy}, "drift_probe": {"enabled": False}},
             "autoscale": {"min_replicas": replicas, "max_replicas": replicas},
         }
-        path = workdir / f"{policy}.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.log = open(workdir / f"{policy}.log", "w")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "modelship", "up", "--config", str(path),
-                   "--storage", str(storage.root), "--model", DEMO_SLUG]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def metrics(self, url: str | None = None) -> dict[str, float]:
-        text = httpx.get(f"{url or self.url}/metrics", timeout=10).text
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-        return totals
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"modelship up exited; see {self.log.name}")
-            try:
-                text = httpx.get(f"{self.url}/metrics", timeout=2).text
-                ready = sum(
-                    s.value
-                    for f in text_string_to_metric_families(text)
-                    for s in f.samples
-                    if s.name == "modelship_gateway_replicas" and s.labels.get("state") == "ready"
-                )
-                if ready == self.replicas:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the fleet was not ready after {timeout_s:.0f}s")
-
-    def replica_urls(self) -> list[str]:
-        urls = []
-        for child in psutil.Process(self.process.pid).children():
-            if "serve" in child.cmdline():  # its port is an inherited socket, not an argument
-                ports = [
-                    c.laddr.port
-                    for c in child.net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN
-                ]
-                urls += [f"http://127.0.0.1:{port}" for port in ports]
-        return urls
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
+        super().__init__(config, storage.root, DEMO_SLUG, workdir, policy)
 
 
 def make_conversations(num: int, turns: int, seed: int) -> list[list[str]]:
@@ -357,7 +294,7 @@ def main() -> None:
     try:
         for policy in args.policies:
             fleet = Fleet(storage, workdir, policy, args.replicas)
-            fleet.wait_ready()
+            fleet.wait_ready(args.replicas)
             print(f"{policy}: running {len(conversations) * args.turns} turns...", flush=True)
             results["policies"][policy] = asyncio.run(
                 run_workload(fleet, conversations, system, args.concurrency, args.max_tokens)

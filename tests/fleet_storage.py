@@ -8,38 +8,30 @@ from modelship.storage import Storage
 from modelship.storage.store import link_tree
 
 
-def publish_release(storage: Storage, slug: str, model_dir: Path, variant: str) -> int:
-    """Publish `model_dir` as the next release of `slug` (not made production)."""
-    number = max(storage.releases(slug), default=0) + 1
-    artifact = storage.release_dir(slug, number)
+def _publish(storage: Storage, artifact: Path, kind: str, model_dir: Path, variant: str) -> None:
     with (
         storage.lock(artifact),
         storage.publish(
             artifact,
-            kind="release",
+            kind=kind,
             source=str(model_dir),
             revision=None,
-            inputs_hash=f"test-{number}",
+            inputs_hash=f"test-{artifact.name}",
             extra={"variant": variant},
         ) as staging,
     ):
         link_tree(model_dir, staging)
+
+
+def publish_release(storage: Storage, slug: str, model_dir: Path, variant: str) -> int:
+    """Publish `model_dir` as the next release of `slug` (not made production)."""
+    number = max(storage.releases(slug), default=0) + 1
+    _publish(storage, storage.release_dir(slug, number), "release", model_dir, variant)
     return number
 
 
 def publish_variant(storage: Storage, slug: str, model_dir: Path, variant: str) -> Path:
     """Publish `model_dir` as the optimized variant `variant` of `slug`, as optimize would."""
     artifact = storage.variant_dir(slug, variant)
-    with (
-        storage.lock(artifact),
-        storage.publish(
-            artifact,
-            kind="optimized",
-            source=str(model_dir),
-            revision=None,
-            inputs_hash=f"test-{variant}",
-            extra={"variant": variant},
-        ) as staging,
-    ):
-        link_tree(model_dir, staging)
+    _publish(storage, artifact, "optimized", model_dir, variant)
     return artifact

@@ -52,6 +52,9 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[Json]]]]] = [
         ("Refused before routing", "reqps", [_target(
             "sum by (reason) (rate(modelship_gateway_rejections_total[$__rate_interval]))",
             "{{reason}}")]),
+        ("Tier decisions (brown-out, rules)", "reqps", [_target(
+            "sum by (tier, reason) (rate(modelship_gateway_tier_decisions_total"
+            "[$__rate_interval]))", "{{tier}} {{reason}}")]),
         ("Retries and upstream failures", "ops", [
             _target("sum by (kind) (rate(modelship_gateway_retries_total[$__rate_interval]))",
                     "retry {{kind}}"),

@@ -362,6 +362,7 @@ class GatewayService:
         """Which tier serves the request (`tiers.choose_tier`), counted by tier and reason."""
         config = self.config
         if not config.tiers:
+            self.metrics.tier_decisions.labels(PRIMARY, "default").inc()
             return TierDecision(PRIMARY, "default")
         loads = {PRIMARY: self._tier_load(PRIMARY)}
         for name in self.tier_routers:

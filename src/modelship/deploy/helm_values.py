@@ -7,12 +7,14 @@ default config, so the two stay one design.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelship.deploy.config import GpuConfig, Resources
 from modelship.deploy.context import RenderContext
 from modelship.deploy.pod import engine_flags
-from modelship.gateway.tiers import TierConfig
+
+if TYPE_CHECKING:  # deploy reads the gateway's section from the config, never imports it
+    from modelship.gateway.tiers import TierConfig
 
 Json = dict[str, Any]
 

@@ -10,7 +10,7 @@ between the tier's own `min_replicas` and `max_replicas`; the gateway gets its a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelship.deploy.context import RenderContext
 from modelship.deploy.names import CONFIG_PATH, labels, metadata, selector
@@ -28,7 +28,9 @@ from modelship.deploy.pod import (
     resources,
     termination_grace_s,
 )
-from modelship.gateway.tiers import TierConfig
+
+if TYPE_CHECKING:  # deploy reads the gateway's section from the config, never imports it
+    from modelship.gateway.tiers import TierConfig
 
 Json = dict[str, Any]
 ENGINE = "engine"

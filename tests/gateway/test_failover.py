@@ -4,6 +4,7 @@ greedy run; with no replica left to resume it, the stream ends with an error eve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +86,27 @@ def test_chat_stream_survives_a_killed_replica(fleet: UpProcess):
     assert usage == expected_usage  # counted as one uninterrupted stream
     after = fleet.metric("modelship_gateway_failovers_total", outcome="resumed")
     assert after == resumed_before + 1
+
+
+def test_a_resumed_streams_first_byte_is_the_first_replicas(fleet: UpProcess):
+    """TTFB of a stream that failed over is when the first replica answered, which the
+    client saw before the cut; not when the second replica took over, after it."""
+    _wait_two_ready(fleet)
+    name = "modelship_gateway_time_to_first_byte_seconds"
+    before = fleet.metric(f"{name}_sum"), fleet.metric(f"{name}_count")
+    started = time.perf_counter()
+    stream = _client(fleet).chat.completions.create(
+        model=SLUG, messages=[{"role": "user", "content": "The quick brown fox"}],
+        max_tokens=KILL_AFTER + 2, temperature=0, stream=True, seed=KILL_SEED,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    seen_by_client = None
+    for _chunk in stream:
+        if seen_by_client is None:
+            seen_by_client = time.perf_counter() - started
+    after = fleet.metric(f"{name}_sum"), fleet.metric(f"{name}_count")
+    assert after[1] == before[1] + 1
+    assert seen_by_client is not None and after[0] - before[0] <= seen_by_client
 
 
 def test_completion_stream_survives_a_killed_replica(fleet: UpProcess):

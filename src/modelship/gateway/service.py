@@ -585,6 +585,8 @@ class GatewayService:
         usage: StreamUsage,
         resume: Resume | None = None,
     ) -> StreamingResponse:
+        first = attempt  # its first byte and first token came from this replica
+
         def on_end(how: StreamEnd, attempt: Attempt) -> None:
             upstream = attempt.upstream  # the last replica that served the stream
             upstream.endpoint.remove_request(num_tokens)
@@ -600,10 +602,11 @@ class GatewayService:
             elif how is StreamEnd.COMPLETE:
                 self.estimator.observe(used.completion_tokens // hold.num_sequences)
             if usage.first_token_at is not None:
-                self.metrics.first_token.labels(upstream.release, upstream.variant).observe(
+                served_first = first.upstream  # after a failover, not the last replica
+                self.metrics.first_token.labels(served_first.release, served_first.variant).observe(
                     usage.first_token_at - hold.started_at
                 )
-            hold.end(how.status_code, attempt.ttft_s, used)
+            hold.end(how.status_code, first.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)
         return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)

@@ -496,3 +496,21 @@ def test_tiers_are_not_rendered_for_kserve() -> None:
     gateway = {"tiers": [{"name": "economy", "variant": "gptq"}]}
     with pytest.raises(RenderError, match=r"gateway\.tiers: rendered for deploy\.serving\.kind"):
         render(config_for("kserve", gateway=gateway))
+
+
+def test_the_kv_cache_dtype_reaches_vllm_or_is_refused() -> None:
+    from modelship.deploy.render import RenderError
+
+    def vllm_args(kv_cache_dtype: str) -> list[str]:
+        config = config_for("deployment", gpu="vllm")
+        engine = config.serve.engine.model_copy(update={"kv_cache_dtype": kv_cache_dtype})
+        config = config.model_copy(
+            update={"serve": config.serve.model_copy(update={"engine": engine})}
+        )
+        return engine_pod(render(config).objects, "deployment")[1]["args"]
+
+    args = vllm_args("fp8")
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in vllm_args("bfloat16")  # the model's dtype: vLLM's auto
+    with pytest.raises(RenderError, match="vLLM has no int8 KV cache"):
+        vllm_args("int8")

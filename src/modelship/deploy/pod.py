@@ -130,6 +130,11 @@ def api_key_env(ctx: RenderContext, variable: str = API_KEY_ENV) -> list[Json]:
     return [{"name": variable, "valueFrom": ref}]
 
 
+# The KV cache dtypes both engines have; another one than the model's dtype is refused when
+# rendering for vLLM (`render.config_problems`).
+VLLM_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def engine_flags(ctx: RenderContext) -> list[str]:
     """Engine options after the model/name/address flags (the chart's `engine.flags`)."""
     engine = ctx.config.serve.engine
@@ -149,6 +154,8 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         flags += ["--max-model-len", str(engine.max_model_len)]
     if engine.dtype:
         flags += ["--dtype", engine.dtype]
+    if engine.kv_cache_dtype in VLLM_KV_CACHE_DTYPES:  # otherwise the model's ("auto")
+        flags += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if not engine.cuda_graphs:
         flags += ["--enforce-eager"]
     if engine.speculative_model:  # vLLM's draft-model speculation (it speculates for all)

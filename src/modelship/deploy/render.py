@@ -26,6 +26,7 @@ from modelship.deploy.dashboard import dashboard_configmap, dashboard_json
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
 from modelship.deploy.names import labels
+from modelship.deploy.pod import VLLM_KV_CACHE_DTYPES
 from modelship.deploy.serving import METRICS_PORT, deployment_serving
 from modelship.deploy.workflow import task_name, workflow
 
@@ -68,6 +69,16 @@ def config_problems(config: ModelshipConfig) -> list[str]:
     for name, port in ports.items():
         if port == METRICS_PORT:
             problems.append(f"{name}: {port} is the Services' metrics port; choose another")
+    kv_dtype = config.serve.engine.kv_cache_dtype
+    if (
+        serving.engine == "vllm"
+        and kv_dtype not in (None, *VLLM_KV_CACHE_DTYPES)
+        and kv_dtype != config.serve.engine.dtype
+    ):
+        problems.append(
+            f"serve.engine.kv_cache_dtype: vLLM has no {kv_dtype} KV cache; use fp8 (or leave "
+            "it unset for the model's dtype)"
+        )
     if serving.kind == "kserve" and config.gateway.tiers:
         problems.append(
             "gateway.tiers: rendered for deploy.serving.kind 'deployment' only (an engine "

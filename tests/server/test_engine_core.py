@@ -108,3 +108,29 @@ def test_a_killed_server_takes_its_core_with_it(server) -> None:
     server.process.kill()
     server.process.wait(timeout=10)
     assert wait_until(lambda: not alive(core), 30), "the core outlived its server"
+
+
+def test_a_killed_server_takes_its_core_with_it_even_mid_step(tiny_llama_dir: Path) -> None:
+    """A core stuck in a step never reads its pipe's end: it is killed with the server
+    anyway, not left an orphan holding the model."""
+    from modelship.engine.faults import FAULTS_ENV
+
+    wedge = 7
+    os.environ[FAULTS_ENV] = f"wedge={wedge}"
+    try:
+        server = ServerProcess(tiny_llama_dir, "--served-model-name", MODEL, "--engine-core",
+                               "process", "--stall-timeout", "600")  # fmt: skip
+    finally:
+        del os.environ[FAULTS_ENV]
+    try:
+        (core,) = children(server.pid)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               timeout=5)  # fmt: skip
+        with pytest.raises(openai.APITimeoutError):  # the step holding it never ends
+            client.completions.create(model=MODEL, prompt=[1, wedge], max_tokens=4)
+        server.process.kill()
+        server.process.wait(timeout=10)
+        assert wait_until(lambda: not alive(core), 30), "the wedged core outlived its server"
+    finally:
+        server.kill()
+        server.close_log()

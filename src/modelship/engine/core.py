@@ -45,6 +45,7 @@ from modelship.engine.faults import REPLICA_PID_ENV
 from modelship.engine.outputs import EngineStats, SequenceDelta
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.tokenizer import load_tokenizer
+from modelship.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,13 @@ _CORE_MAIN = "import sys; from modelship.engine.core import main; sys.exit(main(
 def main(argv: list[str]) -> int:
     """The core process: `argv` is [IN_FD, OUT_FD], its ends of the two pipes."""
     in_fd, out_fd = (int(a) for a in argv)
+    # Killed with the server, whatever it is doing: a closed pipe ends a core between steps,
+    # but a core stuck in a step never reads it, and lived on as an orphan holding the
+    # model's memory. The server creates its client on its main thread, which lives as long
+    # as it does (the signal follows the forking thread).
+    server_pid = os.environ.get(REPLICA_PID_ENV)
+    if server_pid:
+        die_with_parent(int(server_pid), signal.SIGKILL)
     # The client decides when the core stops (its `None`, or its pipe closing): a Ctrl-C
     # or SIGTERM sent to the whole process group must not kill the core while the server
     # drains its requests.

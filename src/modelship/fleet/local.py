@@ -35,7 +35,7 @@ from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
 from modelship.server.process import ReplicaProcess
-from modelship.storage import Storage, read_manifest
+from modelship.storage import Storage, StorageError, read_manifest
 from modelship.tracing import Tracing
 
 logger = logging.getLogger(__name__)
@@ -244,12 +244,13 @@ class LocalFleet:
         key = (release, variant)
         if key not in self._references:
             try:
-                folder = self.storage.release_dir(self.slug, int(release))
-                answers = golden.read_reference(folder / golden.GOLDEN_FILE)
-                if variant != self.release_spec(int(release)).variant:
-                    answers = _evaluated_golden(folder, variant)
+                spec = self.release_spec(int(release))
+                if variant == spec.variant:
+                    answers = golden.read_reference(spec.model_dir / golden.GOLDEN_FILE)
+                else:
+                    answers = _evaluated_golden(spec.model_dir, variant)
                 self._references[key] = answers
-            except (OSError, ValueError, KeyError, TypeError) as exc:  # nothing to compare
+            except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
                 logger.warning("release %s, variant %s: golden answers unreadable (%s); not "
                                "probed", release, variant, exc)  # fmt: skip
                 self._references[key] = None

@@ -350,9 +350,7 @@ class GatewayService:
     def _requested_tier(self, request: Request) -> str | None:
         """The tier the client named (`x-modelship-tier`), checked; None: not named."""
         name = request.headers.get(TIER_HEADER)
-        if name is None or name == PRIMARY:
-            return None if name is None else PRIMARY
-        if name not in self.tier_routers:
+        if name is not None and name != PRIMARY and name not in self.tier_routers:
             served = ", ".join([PRIMARY, *self.tier_routers])
             raise GatewayError(400, f"{TIER_HEADER}: no tier is named so; served: {served}",
                                param=TIER_HEADER, code="unknown_tier")  # fmt: skip
@@ -410,11 +408,12 @@ class GatewayService:
         replicas (asked only when the canary's have failed): its client gets an answer,
         and the judge has already counted the canary's failure. A cheaper tier's request
         falls back to the primary's stable replicas the same way."""
-        groups = [(track, PRIMARY)]
-        if track is Track.CANARY:
-            groups.append((Track.STABLE, PRIMARY))
         if tier != PRIMARY:
             groups = [(Track.STABLE, tier), (Track.STABLE, PRIMARY)]
+        elif track is Track.CANARY:
+            groups = [(Track.CANARY, PRIMARY), (Track.STABLE, PRIMARY)]
+        else:
+            groups = [(track, PRIMARY)]
         for i, (candidate_track, candidate_tier) in enumerate(groups):
             router = (
                 self.routers[candidate_track]

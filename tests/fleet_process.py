@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -108,6 +110,16 @@ class UpProcess:
             except psutil.Error:
                 pass
         return replicas
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[UpProcess]:
+        """Ready on entry; stopped on exit, which must drain cleanly (exit code 0)."""
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            code = self.stop()
+            assert code == 0, self.log()[-3000:]
 
     def stop(self) -> int:
         """SIGTERM (drain), wait; returns the exit code. Its replicas must be gone too."""

@@ -59,12 +59,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "gateway": {"tenants": tenants},
         "autoscale": {"min_replicas": 1, "max_replicas": 1},
     }
-    up = UpProcess(config, storage.root, SLUG, workdir)
-    try:
-        up.wait_ready()
+    with UpProcess(config, storage.root, SLUG, workdir).running() as up:
         yield up
-    finally:
-        assert up.stop() == 0, up.log()[-3000:]
 
 
 def replica_url(fleet: UpProcess) -> str:

@@ -90,12 +90,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     make_tiny_lora(tiny_llama_dir, workdir / "late", 8, ["o_proj", "up_proj"], seed=7)
     up = UpProcess(config, storage.root, SLUG, workdir)
     up.metrics_key = METRICS_KEY
-    try:
-        up.wait_ready()
+    with up.running():
         yield up
-    finally:
-        code = up.stop()
-        assert code == 0, up.log()[-3000:]
 
 
 def client(fleet: UpProcess, key: str = KEY) -> openai.OpenAI:

@@ -53,12 +53,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         },
         "autoscale": {"min_replicas": 1, "max_replicas": 1, "tick_s": 0.25},
     }
-    up = UpProcess(config, storage.root, SLUG, workdir)
-    try:
-        up.wait_ready()
+    with UpProcess(config, storage.root, SLUG, workdir).running() as up:
         yield up
-    finally:
-        assert up.stop() == 0, up.log()[-3000:]
 
 
 def release_of(fleet: UpProcess, user: str, prompt: str = "hello there", max_tokens: int = 2):

@@ -64,15 +64,10 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     storage = Storage(workdir / "storage")
     storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
     publish_variant(storage, SLUG, tiny_llama_dir, "int4")  # the cheaper tier's variant
-    up = UpProcess(tiers_config(), storage.root, SLUG, workdir)
-    try:
-        up.wait_ready()
+    with UpProcess(tiers_config(), storage.root, SLUG, workdir).running() as up:
         up.wait_for(lambda: len(up.replicas()) == 2 and economy_is_ready(up), 120,
                     "the economy tier's replica")  # fmt: skip
         yield up
-    finally:
-        code = up.stop()
-        assert code == 0, up.log()[-3000:]
 
 
 def economy_is_ready(up: UpProcess) -> bool:

@@ -49,13 +49,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "max_unresponsive_s": 600, "tick_s": 0.25,
         },
     }  # fmt: skip
-    up = UpProcess(config, storage.root, SLUG, workdir)
-    try:
-        up.wait_ready()
+    with UpProcess(config, storage.root, SLUG, workdir).running() as up:
         yield up
-    finally:
-        code = up.stop()
-        assert code == 0, up.log()[-3000:]
 
 
 def replicas_in(up: UpProcess, state: str) -> float:

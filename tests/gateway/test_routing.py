@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -176,9 +177,11 @@ def test_request_size_and_session_key() -> None:
     assert RoutingRequest(prompt_tokens=10).num_tokens == 10
     # Every sequence (n per prompt) generates its own output; the prompt is read once.
     assert RoutingRequest(10, estimated_output_tokens=7, num_sequences=3).num_tokens == 31
-    assert RoutingRequest(1, user="ann", session_id="s1").session_key == "session:s1"
-    assert RoutingRequest(1, user="ann").session_key == "user:ann"
+    assert RoutingRequest(1, user="ann", session_id="s1").session_key == "\nsession:s1"
+    assert RoutingRequest(1, user="ann").session_key == "\nuser:ann"
     assert RoutingRequest(1).session_key is None
+    # Within the tenant's namespace: another tenant's equal session id is another session.
+    assert RoutingRequest(1, session_id="s1", cache_namespace="ns").session_key == "ns\nsession:s1"
 
 
 def test_chat_prefix_text_is_prefix_stable() -> None:
@@ -206,6 +209,28 @@ def test_prefix_same_prompt_same_endpoint() -> None:
         again = router.choose(request, endpoints)
         assert again.endpoint is first.endpoint
         assert again.reason == Reason.AFFINITY_HIT
+
+
+def test_prefix_memory_is_per_namespace() -> None:
+    """Tenant A resending tenant B's prompt is no hit (the reason would confirm a guess at
+    B's secret), while B's own next request is."""
+    router, endpoints = PrefixAffinityRouter(), make_endpoints(2)
+    secret = chat("my account number is 4711")
+    first = send(router, dataclasses.replace(secret, cache_namespace="tenant-b"), endpoints)
+    assert first.reason is Reason.AFFINITY_NEW
+    guess = send(router, dataclasses.replace(secret, cache_namespace="tenant-a"), endpoints)
+    assert guess.reason is Reason.AFFINITY_NEW
+    again = send(router, dataclasses.replace(secret, cache_namespace="tenant-b"), endpoints)
+    assert again.reason is Reason.AFFINITY_HIT and again.endpoint is first.endpoint
+
+
+def test_session_memory_is_per_namespace() -> None:
+    router, endpoints = SessionAffinityRouter(), make_endpoints(3)
+    own = RoutingRequest(1, session_id="s1", cache_namespace="tenant-b")
+    assert router.choose(own, endpoints).reason is Reason.SESSION_NEW
+    other = dataclasses.replace(own, cache_namespace="tenant-a")
+    assert router.choose(other, endpoints).reason is Reason.SESSION_NEW
+    assert router.choose(own, endpoints).reason is Reason.SESSION_HIT
 
 
 def test_prefix_whole_history_counts() -> None:

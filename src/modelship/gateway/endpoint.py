@@ -88,6 +88,10 @@ class RoutingRequest:
     session_id: str | None = None  # the x-session-id header
     prefix_text: str = ""
     num_sequences: int = 1
+    # The tenant's prefix-cache namespace (its cache salt): what a router remembers of a
+    # prompt or session is kept apart per namespace, so one tenant's routing never tells
+    # it what another sent (an affinity hit on a guessed prompt would confirm it).
+    cache_namespace: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -102,9 +106,9 @@ class RoutingRequest:
     def session_key(self) -> str | None:
         """The explicit session header wins over the OpenAI `user` field."""
         if self.session_id:
-            return f"session:{self.session_id}"
+            return f"{self.cache_namespace}\nsession:{self.session_id}"
         if self.user:
-            return f"user:{self.user}"
+            return f"{self.cache_namespace}\nuser:{self.user}"
         return None
 
 

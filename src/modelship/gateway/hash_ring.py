@@ -29,13 +29,17 @@ def hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def prefix_block_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
+def prefix_block_hashes(
+    text: str, block_chars: int, max_blocks: int, namespace: str = ""
+) -> list[bytes]:
     """Chained hashes of the text's full blocks of `block_chars` characters, at most
     `max_blocks` of them; hash i covers blocks 0..i. A partial last block is left out,
-    as the replica's prefix cache only keeps full blocks."""
+    as the replica's prefix cache only keeps full blocks. The chain starts from
+    `namespace` (a tenant's cache salt), as the replica's does: equal text in two
+    namespaces shares no hash."""
     num_blocks = min(len(text) // block_chars, max_blocks)
     hashes = []
-    parent = b""
+    parent = namespace.encode()
     for i in range(num_blocks):
         block = text[i * block_chars : (i + 1) * block_chars]
         parent = hashlib.blake2b(parent + block.encode(), digest_size=16).digest()

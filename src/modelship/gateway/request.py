@@ -96,7 +96,7 @@ class ParsedRequest:
         separator = b"" if head.endswith(b"{") else b","
         return head + separator + json.dumps(changes).encode()[1:]
 
-    def routing_request(self, estimated_output_tokens: int) -> RoutingRequest:
+    def routing_request(self, estimated_output_tokens: int, cache_namespace: str) -> RoutingRequest:
         return RoutingRequest(
             prompt_tokens=self.input_tokens,
             num_sequences=self.num_sequences,
@@ -105,6 +105,7 @@ class ParsedRequest:
             user=self.user,
             session_id=self.session_id,
             prefix_text=self.prefix_text,
+            cache_namespace=cache_namespace,
         )
 
     @property

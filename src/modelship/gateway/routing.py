@@ -183,6 +183,10 @@ class PrefixAffinityRouter:
     up): a home over it loses the request to the least loaded endpoint, where the
     conversation is tracked from then on. Memory: an LRU of `max_tracked_prefixes` prompts;
     0 leaves every prompt to load and the ring.
+
+    Prompts are hashed within the request's `cache_namespace` (the tenant's cache salt,
+    which the replicas' prefix caches are keyed by too): another tenant's prompt is never
+    a hit, so a tenant cannot confirm a guess at what another sent by the reason counted.
     """
 
     def __init__(
@@ -213,7 +217,9 @@ class PrefixAffinityRouter:
     def choose(self, request: RoutingRequest, endpoints: Sequence[Endpoint]) -> Decision:
         candidates = routable(endpoints)
         window = request.prefix_text[: self.block_chars * self.max_blocks]
-        hashes = prefix_block_hashes(window, self.block_chars, self.max_blocks)
+        hashes = prefix_block_hashes(
+            window, self.block_chars, self.max_blocks, request.cache_namespace
+        )
         if not hashes:  # under one block: nothing a replica could have cached
             order = _least_loaded(candidates, self._rotation)
             return Decision(order[0], Reason.FALLBACK, tuple(order[1:]))
@@ -263,6 +269,7 @@ class SessionAffinityRouter:
     the endpoint it last used (an LRU of `max_sessions`), so it stays put when endpoints
     join. The bounded-load rule moves a session only when its endpoint is full. Requests
     without a session key go to the least loaded endpoint.
+    Session keys are kept per `cache_namespace`, like prompts.
     """
 
     def __init__(

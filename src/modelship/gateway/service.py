@@ -439,7 +439,7 @@ class GatewayService:
         tier = self.pick_tier(parsed, tenant).tier
         track = self.pick_track(parsed, tenant, request_id) if tier == PRIMARY else Track.STABLE
         estimate = self.estimator.estimate(parsed.max_tokens)
-        routing = parsed.routing_request(estimate)
+        routing = parsed.routing_request(estimate, tenant.cache_salt)
         pass_usage_event = True
         if parsed.stream:
             pass_usage_event = ask_for_usage(parsed.body)

@@ -16,20 +16,26 @@ from modelship.server.process import ReplicaProcess
 class GatewayProcess(ReplicaProcess):
     inherits_socket = False  # the gateway binds --port itself
 
-    def __init__(self, tmp_path: Path, gateway: dict, *endpoint_args: str) -> None:
+    def __init__(
+        self, tmp_path: Path, gateway: dict, *endpoint_args: str, sections: dict | None = None
+    ) -> None:
+        """`sections`: more of pipeline.yaml than its `gateway:` (e.g. `tracing:`)."""
         config = tmp_path / "pipeline.yaml"
-        config.write_text(yaml.safe_dump({"gateway": gateway}))
+        config.write_text(yaml.safe_dump({"gateway": gateway, **(sections or {})}))
         super().__init__(
             Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log"
         )
+        self.metrics_key: str | None = None  # a gateway.metrics_api_key_sha256 key
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "modelship", "gateway", *self.args,
                 "--host", self.host, "--port", str(self.port)]  # fmt: skip
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        """Sum of the samples of `name` whose labels include `labels` (the series that move
+        per request need `metrics_key` on a gateway with API keys)."""
+        headers = {"authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=5).text
         return sum(
             sample.value
             for family in text_string_to_metric_families(text)

@@ -8,9 +8,13 @@ kept equal to this by a test). Every metric a panel queries is checked against l
 
 Rows: traffic and errors, latency (gateway TTFT and duration by release and variant,
 replica TTFT and inter-token latency by variant), throughput and cost, engine (queue, KV
-cache, prefix-cache hit rate), fleet (replicas, breakers, canary, drift). Replica series
-are read under the `engine` variable's prefix: `modelship:` for our engine, `vllm:` for
-vLLM's (the names are the same).
+cache, prefix-cache hit rate), fleet (replicas, breakers, canary, drift). The engines'
+load (queues, KV cache, prefix hits, tokens) is read from the gateway, which sums it over
+the replicas (`modelship_gateway_replica_*`; `max by` over gateways, each of which sees
+the whole fleet), so it shows where Prometheus reaches only the gateway (`modelship up`).
+The replicas' histograms (TTFT, inter-token latency, queue time) and preemptions are read
+from the replicas under the `engine` variable's prefix: `modelship:` for our engine,
+`vllm:` for vLLM's (the names are the same).
 """
 
 from __future__ import annotations
@@ -77,9 +81,9 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[Json]]]]] = [
             'sum by (variant) (rate(modelship_gateway_tokens_total{kind="output"}'
             "[$__rate_interval]))", "{{variant}}")]),
         ("Replica tokens/s (prompt, generated)", "short", [
-            _target("sum by (variant) (rate(${engine}prompt_tokens_total[$__rate_interval]))",
-                    "prompt {{variant}}"),
-            _target("sum by (variant) (rate(${engine}generation_tokens_total"
+            _target("max by (variant) (rate(modelship_gateway_replica_prompt_tokens_total"
+                    "[$__rate_interval]))", "prompt {{variant}}"),
+            _target("max by (variant) (rate(modelship_gateway_replica_generation_tokens_total"
                     "[$__rate_interval]))", "generated {{variant}}"),
         ]),
         ("Cost per hour by tenant", "currencyUSD", [_target(
@@ -92,14 +96,17 @@ _ROWS: list[tuple[str, list[tuple[str, str, list[Json]]]]] = [
     ("Engine", [
         ("Queue: gateway (by priority) and replicas", "short", [
             _target("sum by (priority) (modelship_gateway_queue_length)", "gateway {{priority}}"),
-            _target("sum by (variant) (${engine}num_requests_waiting)", "waiting {{variant}}"),
-            _target("sum by (variant) (${engine}num_requests_running)", "running {{variant}}"),
+            _target("max by (variant) (modelship_gateway_replica_num_requests_waiting)",
+                    "waiting {{variant}}"),
+            _target("max by (variant) (modelship_gateway_replica_num_requests_running)",
+                    "running {{variant}}"),
         ]),
         ("KV cache usage", "percentunit", [_target(
-            "max by (variant) (${engine}kv_cache_usage_perc)", "{{variant}}")]),
+            "max by (variant) (modelship_gateway_replica_kv_cache_usage_perc)", "{{variant}}")]),
         ("Prefix-cache hit rate (tokens)", "percentunit", [_target(
-            "sum by (variant) (rate(${engine}prefix_cache_hits_total[$__rate_interval])) / "
-            "sum by (variant) (rate(${engine}prefix_cache_queries_total[$__rate_interval]))",
+            "max by (variant) (rate(modelship_gateway_replica_prefix_cache_hits_total"
+            "[$__rate_interval])) / max by (variant) (rate("
+            "modelship_gateway_replica_prefix_cache_queries_total[$__rate_interval]))",
             "{{variant}}")]),
         ("Preemptions and queue time", "short", [
             _target("sum by (variant) (rate(${engine}num_preemptions_total[$__rate_interval]))",

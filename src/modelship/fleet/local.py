@@ -77,7 +77,10 @@ class LocalFleet:
         # from now on get them as `--lora`, like serve.loras.
         self.runtime_loras: dict[str, str] = {}
         self.supervisor = Supervisor(
-            config.autoscale, self.pool, FleetMetrics(self.service.metrics.registry), self._launch
+            config.autoscale,
+            self.pool,
+            FleetMetrics(self.service.metrics.fleet_registry),
+            self._launch,
         )
         self.supervisor.on_canary_failed = self._canary_failed
         for tier in config.gateway.tiers:  # before serving: a missing variant is a setup error
@@ -96,7 +99,7 @@ class LocalFleet:
             headers=self.service.upstream_headers,
             on_drift=self._drifted,
         )
-        self.service.metrics.registry.register(self.drift_probe)
+        self.service.metrics.fleet_registry.register(self.drift_probe)
         self._references: dict[tuple[str, str], list[golden.GoldenAnswer] | None] = {}
         self._priced: set[int] = set()
         self.service.ledger = UsageLedger(storage.model_dir(slug) / USAGE_DIR)

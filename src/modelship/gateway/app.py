@@ -78,10 +78,10 @@ def create_gateway_app(
 
     async def metrics(request: Request) -> Response:
         try:
-            with_tenants = service.can_read_tenant_metrics(request)
+            with_requests = service.can_read_request_metrics(request)
         except GatewayError as error:
             return error.response()
-        return Response(service.metrics.render(with_tenants), media_type=CONTENT_TYPE)
+        return Response(service.metrics.render(with_requests), media_type=CONTENT_TYPE)
 
     async def no_route(request: Request, exc: HTTPException) -> Response:
         # Starlette's own refusals (plain text otherwise) as OpenAI error bodies.

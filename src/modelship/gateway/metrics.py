@@ -1,22 +1,28 @@
-"""The gateway's Prometheus metrics, `modelship_gateway_*`.
+"""The gateway's Prometheus metrics, `modelship_gateway_*`, in two registries.
+
+`fleet_registry`, for anyone: fleet-wide health read from live state at scrape time
+(replicas, breakers, requests held by priority, canary weight, the replicas' engine series
+summed by variant, `engine_load.py`) and what the local fleet's supervisor and drift
+probe register there. `registry`, behind `gateway.metrics_api_key_sha256` wherever the
+gateway has API keys: every series that moves per request (requests, tokens and cost by
+tenant and model, routing and tier decisions, retries, latencies, breaker and canary
+events). A tenant that could read those could tell from them what another tenant sent
+(a routing reason confirms a guessed prompt) and how much it uses.
 
 Request series carry the tenant, the status, and the release and variant that answered
-(`release="none"` when no replica did: refused at the door, or no replica left). Fleet
-gauges (replicas, breakers, queue) are read from live state at scrape time.
-
-Tenant names and what each tenant uses are not for everyone: `render(with_tenants=False)`
-sums every series over its `tenant` label, which is what an anonymous scrape gets.
+(`release="none"` when no replica did: refused at the door, or no replica left).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from modelship.gateway.engine_load import EngineCollector, ReplicaEngine
 
 PREFIX = "modelship_gateway_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -29,13 +35,15 @@ _LATENCY_BUCKETS = (
 @dataclass(frozen=True)
 class FleetSnapshot:
     """Live fleet state for the scrape: replicas per (track, release, variant, state),
-    breaker state per endpoint, requests held by priority, desired replicas per track."""
+    breaker state per endpoint, requests held by priority, desired replicas per track,
+    and each replica's latest engine sample."""
 
     replicas: dict[tuple[str, str, str, str], int]
     breakers: dict[tuple[str, str], str]  # (endpoint_id, release) -> state
     held_by_priority: dict[str, int]
     desired_replicas: dict[str, int]
     canary_weight: int
+    engines: list[ReplicaEngine] = field(default_factory=list)
 
 
 class _FleetCollector(Collector):
@@ -80,41 +88,17 @@ class _FleetCollector(Collector):
         yield weight
 
 
-class _WithoutTenants(Collector):
-    """Every series of `registry`, summed over the `tenant` label."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            if not any("tenant" in sample.labels for sample in family.samples):
-                yield family
-                continue
-            merged: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-            for sample in family.samples:
-                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "tenant"))
-                key = (sample.name, labels)
-                if key not in merged:
-                    merged[key] = sample.value
-                elif sample.name.endswith("_created"):  # when the first series began
-                    merged[key] = min(merged[key], sample.value)
-                else:
-                    merged[key] += sample.value
-            summed = Metric(family.name, family.documentation, family.type, family.unit)
-            for (name, labels), value in merged.items():
-                summed.add_sample(name, dict(labels), value)
-            yield summed
-
-
 class GatewayMetrics:
-    """Counters and histograms recorded by the request path; gauges from `snapshot`."""
+    """Counters and histograms recorded by the request path (`registry`); fleet gauges
+    from `snapshot` (`fleet_registry`)."""
 
     def __init__(self, snapshot: Callable[[], FleetSnapshot]) -> None:
+        self.fleet_registry = CollectorRegistry()
+        self.fleet_registry.register(_FleetCollector(snapshot))
+        self.fleet_registry.register(
+            EngineCollector(PREFIX + "replica_", lambda: snapshot().engines)
+        )
         self.registry = CollectorRegistry()
-        self.registry.register(_FleetCollector(snapshot))
-        self._without_tenants = CollectorRegistry(auto_describe=False)
-        self._without_tenants.register(_WithoutTenants(self.registry))
         r = self.registry
         self.requests = Counter(
             PREFIX + "requests",
@@ -207,6 +191,8 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def render(self, with_tenants: bool = True) -> bytes:
-        """The exposition text; without tenants, every series is summed over tenants."""
-        return generate_latest(self.registry if with_tenants else self._without_tenants)
+    def render(self, with_requests: bool = True) -> bytes:
+        """The exposition text: the fleet's series, and with `with_requests` the request
+        path's too."""
+        text = generate_latest(self.fleet_registry)
+        return text + generate_latest(self.registry) if with_requests else text

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from modelship.gateway.canary import Track
 from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.endpoint import Endpoint
+from modelship.gateway.engine_load import EngineSample, parse_engine_sample
 from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDetector
 from modelship.gateway.tiers import PRIMARY
 
@@ -40,6 +40,7 @@ class Upstream:
     is_healthy: bool = True
     is_draining: bool = False
     num_unanswered_checks: int = 0  # consecutive health checks that timed out or broke
+    engine: EngineSample | None = None  # its /metrics as last scraped
     _unresponsive: asyncio.Event = field(default_factory=asyncio.Event)
     _callbacks: set[Callable[[], None]] = field(default_factory=set)  # `on_unresponsive`
 
@@ -238,23 +239,11 @@ class HealthChecker:
             response.raise_for_status()
         except httpx.HTTPError:
             return
-        running, waiting = parse_load(response.text)
-        upstream.endpoint.num_requests_running = running
-        upstream.endpoint.num_requests_waiting = waiting
-
-
-def parse_load(text: str) -> tuple[int | None, int | None]:
-    """(running, waiting) from a replica's /metrics (ours, or vLLM's names)."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        name = family.name.split(":", 1)[-1]
-        if name in ("num_requests_running", "num_requests_waiting"):
-            values[name] = sum(sample.value for sample in family.samples)
-    running, waiting = values.get("num_requests_running"), values.get("num_requests_waiting")
-    return (
-        None if running is None else int(running),
-        None if waiting is None else int(waiting),
-    )
+        sample = parse_engine_sample(response.text)
+        upstream.engine = sample
+        running, waiting = sample.get("num_requests_running"), sample.get("num_requests_waiting")
+        upstream.endpoint.num_requests_running = None if running is None else int(running)
+        upstream.endpoint.num_requests_waiting = None if waiting is None else int(waiting)
 
 
 def static_upstreams(

@@ -33,6 +33,7 @@ from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
+from modelship.gateway.engine_load import ReplicaEngine
 from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
@@ -193,6 +194,11 @@ class GatewayService:
             held_by_priority=self.held_by_priority(),
             desired_replicas={},
             canary_weight=self.canary_weight,
+            engines=[
+                ReplicaEngine(u.endpoint_id, u.variant, u.engine)
+                for u in self.pool
+                if u.engine is not None
+            ],
         )
 
     def breaker_states(self) -> dict[tuple[str, str], str]:
@@ -212,12 +218,14 @@ class GatewayService:
             raise unauthorized()
         return tenant
 
-    def can_read_tenant_metrics(self, request: Request) -> bool:
-        """True for a metrics key; False without a key (the series summed over tenants);
-        any other key is refused (401), so a misconfigured scraper hears of it."""
+    def can_read_request_metrics(self, request: Request) -> bool:
+        """Whether the scrape gets the series that move per request (`metrics.py`): True
+        for a metrics key, and without a key only on a gateway without API keys (anyone
+        may send it requests anyway); without a key otherwise, False (the fleet's series
+        alone). Any other key is refused (401), so a misconfigured scraper hears of it."""
         key = _bearer_key(request)
         if not key:
-            return False
+            return self.registry is None
         digest = hash_api_key(key).encode()
         found = False
         for candidate in self.config.metrics_api_key_sha256:  # constant time, no early exit

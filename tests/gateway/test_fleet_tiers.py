@@ -29,6 +29,7 @@ from fleet_storage import publish_release, publish_variant
 SLUG = "tiny"
 BATCH_KEY = "sk-batch-test"  # low priority, may be degraded
 VIP_KEY = "sk-vip-test"  # normal priority, allow_degraded: false
+METRICS_KEY = "sk-metrics-test"  # the series that move per request need it
 DECISIONS = "modelship_gateway_tier_decisions_total"
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,6 +44,7 @@ def tiers_config() -> dict:
                 {"name": "batch", "api_key_sha256": hash_api_key(BATCH_KEY), "priority": "low"},
                 {"name": "vip", "api_key_sha256": hash_api_key(VIP_KEY), "allow_degraded": False},
             ],
+            "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
             "tiers": [{"name": "economy", "variant": "int4", "min_replicas": 1}],
             "tier_rules": [
                 {"name": "short", "tier": "economy", "max_output_tokens": 4, "priorities": ["low"]}
@@ -65,6 +67,7 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     storage.set_production(SLUG, publish_release(storage, SLUG, tiny_llama_dir, "fp16"))
     publish_variant(storage, SLUG, tiny_llama_dir, "int4")  # the cheaper tier's variant
     with UpProcess(tiers_config(), storage.root, SLUG, workdir).running() as up:
+        up.metrics_key = METRICS_KEY
         up.wait_for(lambda: len(up.replicas()) == 2 and economy_is_ready(up), 120,
                     "the economy tier's replica")  # fmt: skip
         yield up
@@ -163,6 +166,10 @@ def test_tier_rules_and_a_named_tier(fleet: UpProcess) -> None:
     response = ask(fleet, BATCH_KEY, max_tokens=4)
     assert response.headers["x-modelship-variant"] == "int4"
     assert fleet.metric(DECISIONS, tier="economy", reason="short") >= 1
+    # Naming the dearer primary does not escape the rule
+    escape = ask(fleet, BATCH_KEY, max_tokens=4, **{"x-modelship-tier": "primary"})
+    assert escape.headers["x-modelship-tier"] == "economy"
+    assert fleet.metric(DECISIONS, tier="economy", reason="denied") == 1
     # A longer one does not: the primary
     assert ask(fleet, BATCH_KEY, max_tokens=8).headers["x-modelship-variant"] == "fp16"
     # The opted-out tenant matches no rule that would degrade it...

@@ -3,6 +3,8 @@ properties over any loads, and the config's checks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -142,9 +144,53 @@ def test_a_named_tier_is_served_even_to_a_tenant_that_opted_out() -> None:
     need = TierNeed(Priority.HIGH, None, 10, requested="economy")
     decision = choose_tier(TIERS, [], BROWNOUT, need, tenant(allow_degraded=False), loads)
     assert (decision.tier, decision.reason) == ("economy", "requested")
-    gone = {**loads, "economy": TierLoad(0, 0)}
+    gone = {**loads, "economy": TierLoad(0, 0)}  # the rules' tier instead: the primary
     decision = choose_tier(TIERS, [], BROWNOUT, need, tenant(), gone)
     assert (decision.tier, decision.reason) == (PRIMARY, "unavailable")
+
+
+def test_a_client_may_name_a_cheaper_tier_never_a_dearer_one() -> None:
+    """A low-priority request the rules send to `economy` asking for the primary stays on
+    `economy` (denied); asking for a cheaper tier than the rules' is granted; a tenant
+    listing the primary in `may_request_tiers` gets it."""
+    idle = {PRIMARY: TierLoad(1, 0), "int8": TierLoad(1, 0), "economy": TierLoad(1, 0)}
+    low_short = TierNeed(Priority.LOW, max_tokens=8, input_tokens=10, requested=PRIMARY)
+    decision = choose_tier(TIERS, [SHORT], BROWNOUT, low_short, tenant(), idle)
+    assert (decision.tier, decision.reason) == ("economy", "denied")
+    allowed = tenant(may_request_tiers=[PRIMARY])
+    decision = choose_tier(TIERS, [SHORT], BROWNOUT, low_short, allowed, idle)
+    assert (decision.tier, decision.reason) == (PRIMARY, "requested")
+    # brown-out's tier binds the same way
+    full = {**idle, PRIMARY: TierLoad(1, 5)}
+    normal = TierNeed(Priority.NORMAL, None, 10, requested=PRIMARY)
+    decision = choose_tier(TIERS, [], BROWNOUT, normal, tenant(), full)
+    assert (decision.tier, decision.reason) == ("int8", "denied")
+    cheaper = TierNeed(Priority.NORMAL, None, 10, requested="economy")
+    decision = choose_tier(TIERS, [], BROWNOUT, cheaper, tenant(), full)
+    assert (decision.tier, decision.reason) == ("economy", "requested")
+    # a cheaper tier named without a routable replica gives way to the rules' tier
+    gone = {**full, "economy": TierLoad(0, 0)}
+    decision = choose_tier(TIERS, [], BROWNOUT, cheaper, tenant(), gone)
+    assert (decision.tier, decision.reason) == ("int8", "unavailable")
+
+
+@settings(max_examples=400, deadline=None)
+@given(loads=loads_strategy, config=tenants_strategy, need=needs_strategy, rules=rules_strategy,
+       requested=st.sampled_from([PRIMARY, "int8", "economy"]))  # fmt: skip
+def test_naming_a_tier_never_buys_a_dearer_one(loads, config, need, rules, requested) -> None:
+    rank = {PRIMARY: 0, "int8": 1, "economy": 2}
+    unnamed = choose_tier(TIERS, rules, BROWNOUT, need, config, loads)
+    named = dataclasses.replace(need, requested=requested)
+    decision = choose_tier(TIERS, rules, BROWNOUT, named, config, loads)
+    assert rank[decision.tier] >= rank[unnamed.tier]
+
+
+def test_may_request_tiers_must_name_a_served_tier() -> None:
+    tiers = [{"name": "economy", "variant": "gptq"}]
+    named = {"name": "a", "api_key_sha256": DIGEST, "may_request_tiers": ["primary", "gold"]}
+    with pytest.raises(ValidationError, match="may_request_tiers names tier 'gold'"):
+        GatewayConfig(tiers=tiers, tenants=[named])
+    GatewayConfig(tiers=tiers, tenants=[{**named, "may_request_tiers": ["primary"]}])
 
 
 def test_brownout_off_or_for_other_priorities_keeps_the_primary() -> None:

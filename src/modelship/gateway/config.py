@@ -21,7 +21,7 @@ from pydantic import (
 from modelship.gateway.admission import AdmissionConfig
 from modelship.gateway.routing import create_router, supported_routers
 from modelship.gateway.tenants import TenantConfig
-from modelship.gateway.tiers import BrownoutConfig, TierConfig, TierRule, check_tiers
+from modelship.gateway.tiers import PRIMARY, BrownoutConfig, TierConfig, TierRule, check_tiers
 
 
 class _Section(BaseModel):
@@ -177,4 +177,12 @@ class GatewayConfig(_Section):
     @model_validator(mode="after")
     def _tiers_consistent(self) -> GatewayConfig:
         check_tiers(self.tiers, self.tier_rules)
+        served = [PRIMARY, *(tier.name for tier in self.tiers)]
+        for tenant in self.tenants:
+            for name in tenant.may_request_tiers:
+                if name not in served:
+                    raise ValueError(
+                        f"tenant {tenant.name!r}: may_request_tiers names tier {name!r}; "
+                        f"configured: {', '.join(served)}"
+                    )
         return self

@@ -69,6 +69,9 @@ class TenantConfig(BaseModel):
     # it go down to the tier serving that variant, no further.
     allow_degraded: bool = True
     min_variant: str | None = Field(default=None, min_length=1)
+    # Tiers this tenant's clients may name (`x-modelship-tier`) even when dearer than the
+    # one its tier rules and brown-out give it; any client may name a cheaper one.
+    may_request_tiers: list[str] = Field(default_factory=list)
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod

@@ -6,18 +6,24 @@ fp16 release), run by replicas of its own. Tiers are ranked: primary first, then
 the order configured, best to cheapest. Which tier serves a request is decided once, before
 routing (`choose_tier`, pure), in this order:
 
-1. the client named a tier (`x-modelship-tier`): that one;
-2. the first of `tier_rules` the request matches (priority, max_tokens, input size);
-3. brown-out: the primary tier is overloaded (its in-flight requests reach
+1. the first of `tier_rules` the request matches (priority, max_tokens, input size);
+2. brown-out: the primary tier is overloaded (its in-flight requests reach
    `brownout.max_in_flight_per_replica` per routable replica, or none is routable) and the
    request's priority is one of `brownout.priorities`: the best cheaper tier with room;
-4. else the primary tier.
+3. else the primary tier.
 
-A tenant with `allow_degraded: false` is never sent below the primary by 2 or 3, and one with
+A tenant with `allow_degraded: false` is never sent below the primary by 1 or 2, and one with
 `min_variant` never below the tier serving that variant. A tier chosen with no routable
-replica gives way to the primary. The decision's tier and reason are counted
-(`modelship_gateway_tier_decisions_total`); the answer names the variant that served it
-(`x-modelship-variant`).
+replica gives way to the primary.
+
+The client may name a tier (`x-modelship-tier`) at or below the one the rules and brown-out
+give it (cheaper, never dearer): else a low-priority tenant could name the primary and
+escape both. A tier its tenant lists in `may_request_tiers` it may name whatever the rules
+say. A tier named and not granted is counted with reason `denied` and the rules' tier
+serves; one named without a routable replica gives way to the rules' tier.
+
+The decision's tier and reason are counted (`modelship_gateway_tier_decisions_total`); the
+answer names the variant that served it (`x-modelship-variant`).
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ def check_tiers(tiers: Sequence[TierConfig], rules: Sequence[TierRule]) -> None:
 class TierReason(StrEnum):
     DEFAULT = "default"  # nothing asked for another tier
     REQUESTED = "requested"  # the client named the tier
+    DENIED = "denied"  # the client named a dearer tier than the rules give it
     BROWNOUT = "brownout"  # the primary was overloaded
     OPTED_OUT = "opted_out"  # a rule or brown-out would have degraded it; the tenant said no
     UNAVAILABLE = "unavailable"  # the tier chosen had no routable replica
@@ -168,16 +175,33 @@ def choose_tier(
 ) -> TierDecision:
     """Which tier serves a request (see the module doc). `loads` has every tier, primary
     included; a tier missing from it has no replica."""
+    ruled = _rules_and_brownout(tiers, rules, brownout, need, tenant, loads)
+    requested = need.requested
+    if requested is None:
+        return ruled
+    rank = {PRIMARY: 0} | {tier.name: i for i, tier in enumerate(tiers, start=1)}
+    if rank[requested] < rank[ruled.tier] and requested not in tenant.may_request_tiers:
+        return TierDecision(ruled.tier, TierReason.DENIED)
+    if loads.get(requested, TierLoad(0, 0)).routable > 0:
+        return TierDecision(requested, TierReason.REQUESTED)
+    return TierDecision(ruled.tier, TierReason.UNAVAILABLE)
+
+
+def _rules_and_brownout(
+    tiers: Sequence[TierConfig],
+    rules: Sequence[TierRule],
+    brownout: BrownoutConfig,
+    need: TierNeed,
+    tenant: TenantConfig,
+    loads: Mapping[str, TierLoad],
+) -> TierDecision:
+    """Steps 1 to 3 of the module doc: the tier the request gets without naming one."""
     rank = {PRIMARY: 0} | {tier.name: i for i, tier in enumerate(tiers, start=1)}
     empty = TierLoad(0, 0)
 
     def routable(name: str) -> bool:
         return loads.get(name, empty).routable > 0
 
-    if need.requested is not None:
-        if routable(need.requested):
-            return TierDecision(need.requested, TierReason.REQUESTED)
-        return TierDecision(PRIMARY, TierReason.UNAVAILABLE)
     lowest = lowest_rank(tenant, tiers)
     held_back = False
     for rule in rules:

@@ -17,7 +17,14 @@ from modelship.config import ConfigError, ModelshipConfig
 from modelship.engine import SequenceDelta
 from modelship.logs import JsonFormatter
 from modelship.server.tracing import EngineSpans
-from modelship.tracing import JsonLinesSpanExporter, Tracing, TracingConfig, extract, inject
+from modelship.tracing import (
+    JsonLinesSpanExporter,
+    Tracing,
+    TracingConfig,
+    client_links,
+    extract,
+    inject,
+)
 
 
 def delta(tokens: list[int], finish: str | None = None, queue_time_s: float | None = None):
@@ -137,3 +144,20 @@ def test_json_log_lines_carry_the_request_fields_and_the_current_trace() -> None
     assert entry["trace_id"] == f"{span.get_span_context().trace_id:032x}"
     assert entry["span_id"] == f"{span.get_span_context().span_id:016x}"
     assert "args" not in entry and "msg" not in entry
+
+
+def test_a_client_traceparent_is_a_link_and_decides_no_sampling() -> None:
+    """The gateway's request span starts a trace of its own, sampled at its own ratio; the
+    client's context is kept only as a link (its sampled flag decides nothing)."""
+    client = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert client_links({}) == [] and client_links({"traceparent": "00-bad"}) == []
+    (link,) = client_links({"traceparent": client})
+    assert f"{link.context.trace_id:032x}" == "4bf92f3577b34da6a3ce929d0e0e4736"
+    never = Tracing(TracingConfig(sample_ratio=0.0), exporter=InMemorySpanExporter())
+    assert not never.start_span("gateway request", None, links=[link]).is_recording()
+    exporter = InMemorySpanExporter()
+    always = Tracing(TracingConfig(sample_ratio=1.0), exporter=exporter)
+    always.start_span("gateway request", None, links=[link]).end()
+    (span,) = finished(always, exporter).values()
+    assert span.context.trace_id != link.context.trace_id and span.parent is None
+    assert [linked.context.span_id for linked in span.links] == [link.context.span_id]

@@ -8,7 +8,10 @@ appended, so the gateway and its replicas can share a file) or `otlp` (OTLP/HTTP
 SDK's `OTEL_EXPORTER_OTLP_*` variables apply, as do `OTEL_BSP_*` for the batching).
 
 The trace crosses processes in the W3C `traceparent` header: the gateway injects its
-attempt span's, the replica continues from it (`TracingMiddleware`).
+attempt span's, the replica continues from it (`TracingMiddleware`). A client's own
+`traceparent` never parents the gateway's spans: the gateway starts a new trace (sampled at
+its `sample_ratio`, not at the client's word, which would write spans naming the tenant
+under a trace id the client chose) and keeps the client's context as a span link.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
+from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -110,6 +113,10 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "status": span.status.status_code.name,
         "service": span.resource.attributes.get("service.name"),
         "attributes": dict(span.attributes or {}),
+        "links": [
+            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+            for link in span.links
+        ],
     }
 
 
@@ -162,6 +169,7 @@ class Tracing:
         attributes: Mapping[str, Any] | None = None,
         kind: SpanKind = SpanKind.INTERNAL,
         start_time_ns: int | None = None,
+        links: Sequence[Link] = (),
     ) -> Span:
         """A started span (ended by the caller), child of `parent` (a span, or a context
         taken from a `traceparent`); a new trace without one. Off: the invalid span."""
@@ -170,8 +178,9 @@ class Tracing:
         if isinstance(parent, Span):
             parent = trace.set_span_in_context(parent)
         return self.tracer.start_span(
-            name, context=parent, kind=kind, attributes=attributes, start_time=start_time_ns
-        )
+            name, context=parent, kind=kind, attributes=attributes, start_time=start_time_ns,
+            links=links,
+        )  # fmt: skip
 
     def force_flush(self) -> None:
         if self.provider is not None:
@@ -193,6 +202,13 @@ def inject(span: Span, headers: MutableMapping[str, str]) -> None:
 def extract(headers: Mapping[str, str]) -> otel_context.Context:
     """The remote parent in incoming `headers` (an empty context without a valid one)."""
     return _PROPAGATOR.extract(headers)
+
+
+def client_links(headers: Mapping[str, str]) -> list[Link]:
+    """The client's `traceparent` in incoming `headers` as a link (none without a valid
+    one): what the gateway keeps of a trace it does not continue."""
+    remote = trace.get_current_span(extract(headers)).get_span_context()
+    return [Link(remote)] if remote.is_valid else []
 
 
 def end_span(span: Span, attributes: Mapping[str, Any], error: bool = False) -> None:

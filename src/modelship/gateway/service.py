@@ -71,7 +71,7 @@ from modelship.gateway.tiers import (
     choose_tier,
 )
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
-from modelship.tracing import Span, SpanKind, Tracing, end_span, extract, inject
+from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span, inject
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("modelship.access")  # one line per request, if enabled
@@ -269,9 +269,10 @@ class GatewayService:
         tenant_name = "unknown"
         span = self.tracing.start_span(
             "gateway request",
-            extract(request.headers) if self.tracing.is_enabled else None,
+            None,  # a new trace: a client's traceparent is only linked (`tracing.py`)
             {"request_id": request_id, "path": request.url.path},
             kind=SpanKind.SERVER,
+            links=client_links(request.headers) if self.tracing.is_enabled else (),
         )
         try:
             tenant = self.authenticate(request)

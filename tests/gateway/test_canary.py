@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from modelship.fleet.releases import end_canary, promote_canary, read_traffic, start_canary
-from modelship.gateway.canary import CanaryJudge, Track, in_canary
+from modelship.gateway.canary import (
+    REFERENCE_PROMPT_TOKENS,
+    CanaryJudge,
+    Track,
+    in_canary,
+    judged_ttft,
+)
 from modelship.gateway.config import CanaryJudgeConfig, GatewayConfig, RequestLimitsConfig
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.request import parse_request
@@ -38,11 +44,11 @@ def test_split_is_sticky_proportional_and_monotonic_in_weight():
     assert not any(in_canary(k, 0) for k in keys)
 
 
-def judge(clock: Clock, **overrides) -> CanaryJudge:
+def judge(clock: Clock, num_tenants: int = 1, **overrides) -> CanaryJudge:
     settings = dict(window_s=60, min_requests=10, max_error_rate_margin=0.05,
                     max_ttft_p95_ratio=1.5, min_ttft_increase_s=0.05)  # fmt: skip
     settings.update(overrides)
-    return CanaryJudge(CanaryJudgeConfig(**settings), clock=clock)
+    return CanaryJudge(CanaryJudgeConfig(**settings), clock=clock, num_tenants=num_tenants)
 
 
 def feed(j: CanaryJudge, track: Track, n: int, ok: bool = True, ttft_s: float = 0.1) -> None:
@@ -84,6 +90,51 @@ def test_judge_rolls_back_on_slow_canary_but_not_on_noise():
     verdict = j.verdict()
     assert verdict.rollback and "TTFT" in verdict.reason
     assert verdict.canary.ttft_p95_s == pytest.approx(0.4)
+
+
+def test_one_tenant_alone_cannot_roll_a_canary_back():
+    """Tenant a, slow on the canary by its own doing (or only on its requests), while
+    tenant b finds it as fast as stable: no rollback on a gateway of two tenants."""
+
+    def attacked(j: CanaryJudge) -> CanaryJudge:
+        for tenant in ("a", "b"):
+            for _ in range(20):
+                j.record(Track.STABLE, True, 0.1, tenant)
+        for _ in range(10):
+            j.record(Track.CANARY, True, 0.1, "b")
+        for _ in range(30):
+            j.record(Track.CANARY, True, 3.0, "a")
+        return j
+
+    j = attacked(judge(Clock(), num_tenants=2))
+    verdict = j.verdict()
+    assert not verdict.rollback and "without one tenant" in verdict.reason
+    # The same traffic on a gateway of one tenant (no other to protect): rolled back.
+    assert attacked(judge(Clock())).verdict().rollback
+    # Slow for both tenants: rolled back.
+    for _ in range(10):
+        j.record(Track.CANARY, True, 3.0, "b")
+    assert j.verdict().rollback
+
+
+def test_one_tenant_alone_cannot_fail_a_canary_either():
+    j = judge(Clock(), num_tenants=3)
+    for tenant in ("a", "b"):
+        for _ in range(20):
+            j.record(Track.STABLE, True, 0.1, tenant)
+            j.record(Track.CANARY, True, 0.1, tenant)
+    for _ in range(20):
+        j.record(Track.CANARY, False, None, "a")
+    assert not j.verdict().rollback
+    for _ in range(20):
+        j.record(Track.CANARY, False, None, "b")
+    assert j.verdict().rollback
+
+
+def test_judged_ttft_scales_long_prompts_down():
+    assert judged_ttft(0.2, 100) == pytest.approx(0.2)  # short prompts as they are
+    assert judged_ttft(0.2, REFERENCE_PROMPT_TOKENS) == pytest.approx(0.2)
+    assert judged_ttft(0.8, 4 * REFERENCE_PROMPT_TOKENS) == pytest.approx(0.2)
 
 
 def test_judge_forgets_outside_the_window():

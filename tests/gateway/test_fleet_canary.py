@@ -57,15 +57,17 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield up
 
 
-def release_of(fleet: UpProcess, user: str, prompt: str = "hello there", max_tokens: int = 2):
-    response = httpx.post(
-        f"{fleet.url}/v1/chat/completions",
-        json={"model": SLUG, "messages": [{"role": "user", "content": prompt}],
-              "max_tokens": max_tokens, "user": user},
-        timeout=120,
-    )  # fmt: skip
-    assert response.status_code == 200, response.text
-    return response.headers["x-modelship-release"]
+def release_of(
+    fleet: UpProcess, user: str, prompt: str = "hello there", max_tokens: int = 2,
+    stream: bool = False,
+) -> str:  # fmt: skip
+    body = {"model": SLUG, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "user": user, "stream": stream}  # fmt: skip
+    url = f"{fleet.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        response.read()  # a stream to its end: the judge counts it once it ends
+        assert response.status_code == 200, response.text
+        return response.headers["x-modelship-release"]
 
 
 def canary_ready(fleet: UpProcess, weight: int) -> bool:
@@ -114,7 +116,8 @@ def test_slow_canary_is_rolled_back_automatically(fleet: UpProcess):
         for i in range(40):
             if rolled_back.is_set():
                 return
-            answered.append(release_of(fleet, f"w{worker_id}-{i}", prompt))
+            # Streams: the judge compares first-token times, which only streams show.
+            answered.append(release_of(fleet, f"w{worker_id}-{i}", prompt, stream=True))
 
     def watch() -> bool:
         if fleet.metric("modelship_gateway_canary_rollbacks_total") >= 1:

@@ -29,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 
 from modelship.gateway.adapters import Action, fan_out
 from modelship.gateway.admission import AdmissionQueue
-from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
+from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary, judged_ttft
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
@@ -125,7 +125,13 @@ class GatewayService:
             tier.name: create_router(self.policy, **config.routing.options) for tier in config.tiers
         }
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
-        self.judge = CanaryJudge(config.canary)
+        # Several tenants: no one tenant's requests alone may roll a canary back.
+        self.judge = CanaryJudge(config.canary, num_tenants=len(config.tenants))
+        # Tenants whose key is also a metrics or admin key: the operator's own.
+        operator_keys = {*config.metrics_api_key_sha256, *config.admin_api_key_sha256}
+        self.release_readers = {
+            t.name for t in config.tenants if operator_keys.intersection(t.api_key_sha256)
+        }
         self.canary_weight = canary_weight
         secret = config.canary.split_secret
         self.split_secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
@@ -388,6 +394,13 @@ class GatewayService:
         routable = sum(1 for endpoint in endpoints if endpoint.is_routable)
         return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
 
+    def says_release(self, tenant: Tenant) -> bool:
+        """Whether `x-modelship-release` goes to this tenant: on a gateway without tenants
+        (the operator's), else only to a tenant whose key is also a metrics or admin key.
+        Any other tenant told its track could look for a canary session and aim traffic
+        at it."""
+        return not self.config.tenants or tenant.name in self.release_readers
+
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
         The key is hashed with the gateway's secret: a client choosing its session id
@@ -406,7 +419,7 @@ class GatewayService:
             return Track.CANARY
         canary = [u for u in self.pool if u.track is Track.CANARY]
         if canary and all(u.breaker.state is BreakerState.OPEN for u in canary):
-            self.judge.record(Track.CANARY, ok=False, ttft_s=None)
+            self.judge.record(Track.CANARY, ok=False, ttft_s=None, tenant=tenant.name)
             self._judge_canary()
         return Track.STABLE
 
@@ -513,7 +526,7 @@ class GatewayService:
         if usage is not None:
             self.estimator.observe(usage.completion_tokens // parsed.num_sequences)
         hold.end(attempt.status_code, attempt.ttft_s, usage or Usage(parsed.input_tokens, 0))
-        headers = _response_headers(attempt, request_id)
+        headers = _response_headers(attempt, request_id, self.says_release(tenant))
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
 
     async def _attempt(
@@ -573,13 +586,15 @@ class GatewayService:
         if attempt.failure is not None:
             hold.num_output_if_abandoned = 0
             upstream.endpoint.remove_request(num_tokens)
-            self._record(upstream, ok=False, ttft_s=None, kind=str(attempt.failure.kind))
+            self._record(upstream, hold, ok=False, kind=str(attempt.failure.kind))
         elif attempt.status_code >= 400:
             # The request's own fault (bad input, over a limit): the replica is fine, but
             # its quick refusal says nothing about how fast it serves.
-            self._record(upstream, ok=True, ttft_s=None, judge=False)
+            self._record(upstream, hold, ok=True, judge=False)
         elif not parsed.stream:
-            self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
+            # Judged on errors alone: the whole answer's time is mostly the output length
+            # the client asked for, not the release's speed.
+            self._record(upstream, hold, ok=True)
         # A stream in progress is recorded when it ends (it may still break).
         return attempt
 
@@ -599,9 +614,14 @@ class GatewayService:
             upstream = attempt.upstream  # the last replica that served the stream
             upstream.endpoint.remove_request(num_tokens)
             if how is StreamEnd.COMPLETE:
-                self._record(upstream, ok=True, ttft_s=attempt.ttft_s)
+                ttft_s = None  # judged only where one replica served the whole stream
+                if usage.first_token_at is not None and attempt is first:
+                    prompt_tokens = usage.usage.prompt_tokens if usage.usage else hold.input_tokens
+                    first_token_s = usage.first_token_at - hold.started_at
+                    ttft_s = judged_ttft(first_token_s, prompt_tokens)
+                self._record(upstream, hold, ok=True, ttft_s=ttft_s)
             elif how is StreamEnd.REPLICA_FAILED:
-                self._record(upstream, ok=False, ttft_s=attempt.ttft_s, kind="read")
+                self._record(upstream, hold, ok=False, kind="read")
             # A client hanging up or a request past its own deadline says nothing about
             # the replica.
             used = usage.usage
@@ -616,7 +636,7 @@ class GatewayService:
                 )
             hold.end(how.status_code, first.ttft_s, used)
 
-        headers = _response_headers(attempt, request_id)
+        headers = _response_headers(attempt, request_id, self.says_release(hold.tenant))
         return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
 
     async def _resume(
@@ -636,7 +656,7 @@ class GatewayService:
         most `max_failovers` of them; None when none could (the stream then ends with an
         error event). The failed replica's request is ended and counted here."""
         failed.upstream.endpoint.remove_request(routing.num_tokens)
-        self._record(failed.upstream, ok=False, ttft_s=failed.ttft_s, kind="read")
+        self._record(failed.upstream, hold, ok=False, kind="read")
         if hold.num_failovers >= self.config.resilience.max_failovers:
             self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
             return None
@@ -673,12 +693,14 @@ class GatewayService:
     def _record(
         self,
         upstream: Upstream,
+        hold: _Hold,
         ok: bool,
-        ttft_s: float | None,
+        ttft_s: float | None = None,
         kind: str | None = None,
         judge: bool = True,
     ) -> None:
-        """One replica result: `ok=False` only for the replica's own faults."""
+        """One replica result: `ok=False` only for the replica's own faults; `ttft_s` a
+        stream's `judged_ttft` (None: the canary judge counts only whether it failed)."""
         if self.pool.record_result(upstream, ok):
             logger.warning("circuit breaker opened for %s", upstream.endpoint_id)
             self.metrics.breaker_opened.labels(upstream.endpoint_id, upstream.release).inc()
@@ -686,7 +708,7 @@ class GatewayService:
             self.metrics.upstream_failures.labels(upstream.release, upstream.variant, kind).inc()
         if not judge:
             return
-        self.judge.record(upstream.track, ok, ttft_s)
+        self.judge.record(upstream.track, ok, ttft_s, hold.tenant.name)
         if upstream.track is Track.CANARY:
             self._judge_canary()
 
@@ -835,12 +857,15 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def _response_headers(attempt: Attempt, request_id: str) -> dict[str, str]:
-    """The replica's content headers, plus which release and variant answered."""
-    return {
+def _response_headers(attempt: Attempt, request_id: str, with_release: bool) -> dict[str, str]:
+    """The replica's content headers, plus which variant and tier answered, and with
+    `with_release` which release (`GatewayService.says_release`)."""
+    headers = {
         **attempt.passed_headers(),
         "x-request-id": request_id,
-        "x-modelship-release": attempt.upstream.release,
         "x-modelship-variant": attempt.upstream.variant,
         TIER_HEADER: attempt.upstream.tier,
     }
+    if with_release:
+        headers["x-modelship-release"] = attempt.upstream.release
+    return headers

@@ -10,7 +10,9 @@ replica key made up by the fleet:
   never does (so the timing of a hit cannot reveal A's prompt to B), and A's greedy
   answer is identical with and without the hit;
 - no key appears in the logs, in /metrics (with or without the metrics key) or in any
-  error body the drill provoked.
+  error body the drill provoked;
+- then a second fleet (`tenants_routing.py`): routing memory, /metrics, a named tier and a
+  canary as one tenant would use them against another.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from modelship.gateway import hash_api_key
 from modelship.storage import Storage
 
 from drill.common import DrillContext, DrillResult, is_openai_error, secrets_found
+from drill.tenants_routing import run_routing
 from fleet_process import UpProcess
 from fleet_storage import publish_release
 
@@ -64,6 +67,7 @@ def run(context: DrillContext) -> DrillResult:
     leaks += [f"error body: {k[:6]}..." for k in (KEY_A, KEY_B) for b in bodies if k in b]
     result.check("no key in logs, metrics or error bodies", not leaks, "; ".join(leaks))
     result.figures["error_bodies_checked"] = len(bodies)
+    run_routing(context, result)
     return result
 
 

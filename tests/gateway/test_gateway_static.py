@@ -3,6 +3,9 @@ health checks, bad input, priority shedding and the queue cap, timeouts, a dead 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import socket
 import subprocess
 import sys
@@ -18,12 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway_process import GatewayProcess
 from modelship.config import ConfigError, ModelshipConfig
 from modelship.gateway import hash_api_key
+from modelship.gateway.canary import in_canary
+from modelship.gateway.tiers import PRIMARY, TIER_HEADER
 from modelship.server.process import free_port
 
 from server_process import ServerProcess
 
 MODEL = "tiny"
-HIGH, LOW = "sk-high-test", "sk-low-test"
+HIGH, LOW, PARTNER = "sk-high-test", "sk-low-test", "sk-partner-test"
 METRICS_KEY = "sk-metrics-test"
 METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}
 ADMIN_KEY = "sk-admin-test"
@@ -64,13 +69,23 @@ def start_gateway(tmp_path: Path):
         assert process.stop() == 0, process.log_tail()
 
 
-def post(gateway: GatewayProcess, body, key: str = HIGH, path: str = "/v1/chat/completions"):
+def post(
+    gateway: GatewayProcess,
+    body,
+    key: str = HIGH,
+    path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
+):
     content = body if isinstance(body, bytes) else None
     return httpx.post(
         gateway.url + path,
         content=content,
         json=None if content else body,
-        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        headers={
+            "authorization": f"Bearer {key}",
+            "content-type": "application/json",
+            **(headers or {}),
+        },
         timeout=60,
     )
 
@@ -91,14 +106,53 @@ def test_proxies_lists_models_and_reports_metrics(replica: ServerProcess, start_
         metrics
     )
     assert "modelship_gateway_routing_decisions_total" in metrics
-    # Without the metrics key: the same series, summed over tenants, whose names stay
-    # private; a wrong key is refused.
-    public = httpx.get(f"{gateway.url}/metrics").text
-    assert 'modelship_gateway_requests_total{release="stable",status="200",variant=' in public
-    assert "tenant=" not in public and "gold" not in public
-    assert "modelship_gateway_routing_decisions_total" in public
     wrong = httpx.get(f"{gateway.url}/metrics", headers={"authorization": f"Bearer {HIGH}"})
     assert wrong.status_code == 401 and "gold" not in wrong.text
+
+
+def test_public_metrics_show_the_fleet_not_the_requests(replica: ServerProcess, start_gateway):
+    """Without the metrics key: fleet-wide health, the replicas' engine series summed over
+    them included, and nothing that moves per request (tenants' usage, routing reasons:
+    with those a tenant can watch what another sends)."""
+    gateway = start_gateway([replica.url], resilience={"metrics_scrape_interval_s": 0.2})
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    deadline = time.monotonic() + 30
+    name = "modelship_gateway_replica_generation_tokens_total"
+    while series(httpx.get(f"{gateway.url}/metrics").text, name) < 3:
+        assert time.monotonic() < deadline, "the replica's generated tokens never showed"
+        time.sleep(0.1)
+    public = httpx.get(f"{gateway.url}/metrics").text
+    for fleet_series in ("replicas", "queue_length", "breaker_state", "canary_weight",
+                         "replica_num_requests_running", "replica_num_requests_waiting",
+                         "replica_kv_cache_usage_perc", "replica_prefix_cache_hits_total",
+                         "replica_prefix_cache_queries_total"):  # fmt: skip
+        assert re.search(rf"^modelship_gateway_{fleet_series}[{{ ]", public, re.M), fleet_series
+    for per_request in ("requests_total", "tokens_total", "cost_total", "routing_decisions",
+                        "tier_decisions", "time_to_first_byte", "request_duration"):  # fmt: skip
+        assert f"modelship_gateway_{per_request}" not in public, per_request
+    assert "tenant=" not in public and "gold" not in public and MODEL not in public
+    keyed = httpx.get(f"{gateway.url}/metrics", headers=METRICS_AUTH).text
+    assert "modelship_gateway_routing_decisions_total{" in keyed
+    assert series(keyed, name) >= 3  # the fleet's series are on the keyed page too
+
+
+def test_routing_memory_is_per_tenant(replica: ServerProcess, start_gateway):
+    """Tenant batch resends gold's prompt: no affinity hit, as a hit would confirm a guess
+    at what gold sent (the replica's prefix cache is per tenant already); gold's own
+    resend is one."""
+    gateway = start_gateway([replica.url], routing={"policy": "prefix_affinity"})
+    secret = "My account number is 4711-0815 and the vault code is 2203. " * 3
+    body = {"model": MODEL, "prompt": secret, "max_tokens": 1}
+
+    def hits() -> float:
+        return metric(gateway, "modelship_gateway_routing_decisions_total", reason="affinity_hit")
+
+    assert post(gateway, body, key=HIGH, path="/v1/completions").status_code == 200
+    assert post(gateway, body, key=LOW, path="/v1/completions").status_code == 200
+    assert hits() == 0
+    assert post(gateway, body, key=HIGH, path="/v1/completions").status_code == 200
+    assert hits() == 1
 
 
 def test_bad_input_gets_openai_errors(replica: ServerProcess, start_gateway):
@@ -169,6 +223,77 @@ def test_dead_replica_is_routed_around(replica: ServerProcess, start_gateway):
     metrics = httpx.get(f"{gateway.url}/metrics").text
     # The dead one never passed a health check, so it was never tried.
     assert 'modelship_gateway_replicas{release="stable",state="unhealthy"' in metrics
+
+
+def test_a_client_traceparent_is_linked_never_continued(replica: ServerProcess, tmp_path: Path):
+    """A client's sampled `traceparent` neither makes a gateway with `sample_ratio: 0` write
+    spans (naming the tenant) under the client's trace id, nor parents the gateway's spans
+    when it does sample: the gateway's trace is its own, the client's linked."""
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    traceparent = f"00-{client_trace}-{client_span}-01"  # the sampled flag set
+    spans = tmp_path / "spans.jsonl"
+
+    def traced_request(ratio: float) -> list[dict]:
+        tracing = {"exporter": "file", "file": str(spans), "sample_ratio": ratio}
+        gateway = GatewayProcess(tmp_path, {"tenants": tenants()}, "--endpoint", replica.url,
+                                 sections={"tracing": tracing})  # fmt: skip
+        try:
+            gateway.wait_ready(60)
+            response = post(gateway, chat(), headers={"traceparent": traceparent})
+            assert response.status_code == 200
+        finally:
+            assert gateway.stop() == 0, gateway.log_tail()  # exports what is pending
+        lines = spans.read_text().splitlines() if spans.exists() else []
+        return [json.loads(line) for line in lines]
+
+    assert traced_request(0.0) == []
+    (request,) = [s for s in traced_request(1.0) if s["name"] == "gateway request"]
+    assert request["trace_id"] != client_trace and request["parent_span_id"] is None
+    assert request["links"] == [{"trace_id": client_trace, "span_id": client_span}]
+    assert request["attributes"]["tenant"] == "gold"
+
+
+def test_one_tenant_cannot_roll_back_a_healthy_canary(replica: ServerProcess, tmp_path: Path):
+    """Tenant batch, knowing which of its sessions the split sends to the canary (the
+    release header told it; here the test's own copy of the split), sends those long
+    non-streaming answers and its stable sessions one-token ones. The judge took each
+    answer's whole time for its TTFT and rolled the (same, healthy) replica's canary
+    back; now it judges first-token times of streams, and no one tenant alone. Only the
+    operator's key hears which release answered."""
+    secret = "split-secret-for-the-test-0123"
+    gateway_config = {
+        "tenants": [*tenants(), {"name": "ops", "api_key_sha256": hash_api_key(METRICS_KEY)}],
+        "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
+        "canary": {"split_secret": secret, "min_requests": 4, "window_s": 600,
+                   "max_ttft_p95_ratio": 1.5, "min_ttft_increase_s": 0.02},
+    }  # fmt: skip
+    gateway = GatewayProcess(tmp_path, gateway_config, "--endpoint", replica.url,
+                             "--canary-endpoint", replica.url, "--canary-weight", "50")  # fmt: skip
+    gateway.metrics_key = METRICS_KEY
+    split_key = hashlib.sha256(secret.encode()).digest()
+    sessions = {True: [], False: []}
+    for i in range(40):
+        sessions[in_canary(f"batch\nsession:s{i}", 50, split_key)].append(f"s{i}")
+    told: list[str | None] = []
+    try:
+        gateway.wait_ready(60)
+        for canary_session, stable_session in zip(
+            sessions[True][:6], sessions[False][:6], strict=True
+        ):
+            slow = chat(max_tokens=60, ignore_eos=True)
+            answer = post(gateway, slow, key=LOW, headers={"x-session-id": canary_session})
+            assert answer.status_code == 200
+            told.append(answer.headers.get("x-modelship-release"))
+            fast = post(gateway, chat(max_tokens=1), key=LOW,
+                        headers={"x-session-id": stable_session})  # fmt: skip
+            assert fast.status_code == 200
+        assert gateway.metric("modelship_gateway_canary_rollbacks_total") == 0
+        assert gateway.metric("modelship_gateway_canary_weight") == 50
+        assert told == [None] * 6  # a tenant is not told its track
+        operator = post(gateway, chat(), key=METRICS_KEY)
+        assert operator.headers["x-modelship-release"] in ("stable", "canary")
+    finally:
+        assert gateway.stop() == 0, gateway.log_tail()
 
 
 def test_gateway_without_endpoints_exits_2(tmp_path: Path):
@@ -257,6 +382,16 @@ def test_n_and_stop_are_capped_and_every_sequence_holds_a_slot(
         full = post(gateway, chat(n=2))
         assert full.status_code == 503 and "at capacity" in full.json()["error"]["message"]
         assert post(gateway, chat()).status_code == 200
+
+
+def series(text: str, name: str) -> float:
+    """Sum of the samples named `name` in a /metrics page."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
@@ -402,13 +537,17 @@ def test_an_admin_changes_adapters_on_every_replica_given_by_address(
 
 
 def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
+    partner = {"name": "partner", "api_key_sha256": hash_api_key(PARTNER), "priority": "low",
+               "may_request_tiers": ["primary"]}  # fmt: skip
     tiers = {
-        "tenants": tenants(),
+        "tenants": [*tenants(), partner],
         "tiers": [{"name": "economy", "variant": "int4"}],
         "tier_rules": [{"name": "short", "tier": "economy", "max_output_tokens": 4}],
+        "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
     }
     gateway = GatewayProcess(tmp_path, tiers, "--endpoint", replica.url,
                              "--tier-endpoint", f"economy={replica.url}")  # fmt: skip
+    gateway.metrics_key = METRICS_KEY
     try:
         gateway.wait_ready(60)
         c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=LOW, max_retries=0)
@@ -420,6 +559,17 @@ def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
             headers = response.headers
             assert (headers["x-modelship-tier"], headers["x-modelship-variant"]) == (tier, variant)
         assert gateway.metric("modelship_gateway_tier_decisions_total", reason="short") == 1
+
+        # The rule's tier binds: naming the dearer primary does not escape it (denied) ...
+        def tier_for(key: str) -> str:
+            response = post(gateway, chat(max_tokens=4), key=key, headers={TIER_HEADER: PRIMARY})
+            assert response.status_code == 200
+            return response.headers[TIER_HEADER]
+
+        assert tier_for(LOW) == "economy"
+        assert gateway.metric("modelship_gateway_tier_decisions_total", reason="denied") == 1
+        # ... unless the tenant may name it
+        assert tier_for(PARTNER) == PRIMARY
     finally:
         gateway.stop()
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.cli.common import CONFIG_EXIT_CODE, LogFormat, fail, setup_logging
 from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
@@ -300,6 +301,8 @@ def _parse_loras(specs: list[str], model_name: str) -> tuple[tuple[str, str], ..
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             fail(f"--lora takes NAME=PATH, got {spec!r}", CONFIG_EXIT_CODE)
+        if not is_adapter_name(name):
+            fail(f"--lora {name!r}: a name is {ADAPTER_NAME_RULE}", CONFIG_EXIT_CODE)
         if name == model_name or name in adapters:
             fail(f"--lora {name}: the name is already taken", CONFIG_EXIT_CODE)
         if not (Path(path) / "adapter_config.json").is_file():

@@ -252,8 +252,9 @@ class GatewayService:
             return await self.on_change_adapters(action, body)
         assert self.client is not None
         replicas = [(u.endpoint_id, u.url) for u in self.pool]
-        return await fan_out(self.client, replicas, action, body, self.upstream_headers,
+        done = await fan_out(self.client, replicas, action, body, self.upstream_headers,
                              self.config.resilience.request_timeout_s)  # fmt: skip
+        return done.status_code, done.body
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""

@@ -33,6 +33,7 @@ from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
+from modelship.gateway.engines import UpstreamBodies
 from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
@@ -448,11 +449,12 @@ class GatewayService:
         failover = (
             parsed.stream
             and resilience.max_failovers > 0
+            and self.pool.can_resume()  # no vLLM replica: it cannot resume a stream
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
-        content = parsed.encode()
+        bodies = UpstreamBodies(parsed, tenant.priority)  # `priority` as each engine reads it
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
@@ -473,7 +475,7 @@ class GatewayService:
                         await asyncio.sleep(self.retry_policy.backoff_s(num_attempts))
                     num_attempts += 1
                     attempt = await self._attempt(
-                        upstream, path, content, headers, parsed, hold, routing
+                        upstream, path, bodies.of(upstream.engine), headers, parsed, hold, routing
                     )
                     if attempt.failure is None or not self.retry_policy.should_retry(
                         attempt.failure, num_attempts
@@ -636,7 +638,11 @@ class GatewayService:
         for upstream in self._candidates(track, routing, tier):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
-            if upstream.endpoint_id in hold.tried or not upstream.breaker.allow_request():
+            if (
+                upstream.endpoint_id in hold.tried
+                or not upstream.engine.can_resume  # vLLM ignores `resume_token_ids`
+                or not upstream.breaker.allow_request()
+            ):
                 continue
             hold.num_failovers += 1
             hold.tried.add(upstream.endpoint_id)

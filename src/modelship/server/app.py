@@ -157,7 +157,9 @@ def create_app(
             status = "stalled"
         else:
             status = "ready" if ok else ("draining" if state.draining else "starting")
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+        # The variant tells a gateway in front of addresses (Kubernetes) what it routes to.
+        body = {"status": status, "variant": variant}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

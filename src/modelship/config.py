@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.deploy.config import DeployConfig
 from modelship.engine.options import EngineOptions
 from modelship.fleet.config import SupervisorConfig
@@ -109,6 +110,14 @@ class ServeConfig(Section):
     loras: dict[str, str] = Field(default_factory=dict)
     max_loras: int = Field(default=4, ge=1)
     engine: EngineOptions = Field(default_factory=EngineOptions)
+
+    @field_validator("loras")
+    @classmethod
+    def _adapter_names(cls, loras: dict[str, str]) -> dict[str, str]:
+        for name in loras:
+            if not is_adapter_name(name):
+                raise ValueError(f"{name!r}: an adapter name is {ADAPTER_NAME_RULE}")
+        return loras
 
 
 class RetryConfig(Section):

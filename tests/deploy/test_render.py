@@ -102,6 +102,8 @@ def test_vllm_engine_serves_the_production_folder(serving: str) -> None:
     args = container["args"]
     assert args[:4] == ["--model", f"/data/models/{NAME}/production", "--served-model-name", NAME]
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    # The gateway sends tenants' classes as `priority`: vLLM refuses any but 0 without this.
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert "securityContext" not in container  # the vLLM image runs as root
@@ -109,6 +111,11 @@ def test_vllm_engine_serves_the_production_folder(serving: str) -> None:
         hpa = one(objects, "HorizontalPodAutoscaler")
         names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
         assert names == ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+        gateway = next(o for o in objects if o["metadata"].get("name", "").endswith("-gateway")
+                       and o["kind"] == "Deployment")  # fmt: skip
+        env = {e["name"]: e.get("value") for e in gateway["spec"]["template"]["spec"]
+               ["containers"][0]["env"]}  # fmt: skip
+        assert env["MODELSHIP_GATEWAY_ENGINE"] == "vllm"  # its health path, priority order
 
 
 def test_our_engine_runs_modelship_serve_with_engine_flags() -> None:

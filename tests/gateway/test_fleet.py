@@ -88,6 +88,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     config = fleet_config()
     config["serve"]["loras"] = {ADAPTER: str(adapter)}
     make_tiny_lora(tiny_llama_dir, workdir / "late", 8, ["o_proj", "up_proj"], seed=7)
+    config["gateway"]["adapter_roots"] = [str(workdir)]
+    (workdir / "escape").symlink_to(tiny_llama_dir.parent)  # a link out of the root
     up = UpProcess(config, storage.root, SLUG, workdir)
     up.metrics_key = METRICS_KEY
     with up.running():
@@ -333,6 +335,19 @@ def test_an_admin_loads_and_unloads_an_adapter_on_every_replica(fleet: UpProcess
     assert answer.model == "late"
     missing = admin("load", ADMIN_KEY, lora_name="gone", lora_path=late + "-nowhere")
     assert missing.status_code == 400 and "done on 0 of" in missing.json()["error"]["message"]
+    # One name, one set of weights: the same folder again changes nothing; another is a
+    # conflict (replicas started later would have served it under the same name).
+    again = admin("load", ADMIN_KEY, lora_name="late", lora_path=late)
+    assert again.status_code == 200, again.text
+    assert {r["result"] for r in again.json()["replicas"]} == {"already_loaded"}
+    other = str(fleet.config_path.parent / "adapter")
+    moved = admin("load", ADMIN_KEY, lora_name="late", lora_path=other)
+    assert moved.status_code == 409 and moved.json()["error"]["param"] == "lora_name"
+    odd = admin("load", ADMIN_KEY, lora_name="a=b", lora_path=late)  # `--lora a=b=PATH`
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "lora_name"
+    linked = str(fleet.config_path.parent / "escape" / "model")
+    out = admin("load", ADMIN_KEY, lora_name="out", lora_path=linked)
+    assert out.status_code == 403 and out.json()["error"]["param"] == "lora_path"
     assert admin("unload", ADMIN_KEY, lora_name="late").status_code == 200
     with pytest.raises(openai.NotFoundError):
         client(fleet).completions.create(model="late", prompt="one two", max_tokens=4)

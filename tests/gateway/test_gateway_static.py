@@ -519,21 +519,52 @@ def test_an_admin_changes_adapters_on_every_replica_given_by_address(
 ) -> None:
     from tiny_models import make_tiny_lora
 
-    adapter = str(make_tiny_lora(tiny_llama_dir, tmp_path / "adapter", 4, ["q_proj"], seed=9))
+    roots = tmp_path / "adapters"
+    adapter = str(make_tiny_lora(tiny_llama_dir, roots / "adapter", 4, ["q_proj"], seed=9))
     closed = start_gateway([replica.url])
     off = post(closed, {"lora_name": "x", "lora_path": adapter}, ADMIN_KEY,
                "/v1/load_lora_adapter")  # fmt: skip
     assert off.status_code == 404 and "admin_api_key_sha256" in off.json()["error"]["message"]
-    gateway = start_gateway([replica.url], admin_api_key_sha256=hash_api_key(ADMIN_KEY))
+    gateway = start_gateway([replica.url], admin_api_key_sha256=hash_api_key(ADMIN_KEY),
+                            adapter_roots=[str(roots)])  # fmt: skip
+
+    def load(name: str, path: str) -> httpx.Response:
+        return post(gateway, {"lora_name": name, "lora_path": path}, ADMIN_KEY,
+                    "/v1/load_lora_adapter")  # fmt: skip
+
     body = {"lora_name": "extra", "lora_path": adapter}
     assert post(gateway, body, HIGH, "/v1/load_lora_adapter").status_code == 403
-    loaded = post(gateway, body, ADMIN_KEY, "/v1/load_lora_adapter")
-    assert loaded.status_code == 200 and len(loaded.json()["replicas"]) == 1
+    loaded = load("extra", adapter)
+    assert loaded.status_code == 200
+    assert loaded.json()["replicas"] == [
+        {"replica": "stable-0", "status_code": 200, "result": "loaded"}
+    ]
     answer = post(gateway, {**chat(), "model": "extra"})
     assert answer.status_code == 200 and answer.json()["model"] == "extra"
+    again = load("extra", adapter)  # repeating a call is safe
+    assert again.status_code == 200
+    assert again.json()["replicas"][0]["result"] == "already_loaded"
+    # Refusals a replica makes are the answer, never "loaded": the model's own name, and a
+    # name already served from another folder (one name, two sets of weights).
+    other = str(make_tiny_lora(tiny_llama_dir, roots / "other", 4, ["v_proj"], seed=10))
+    for name in (MODEL, "extra"):
+        taken = load(name, other)
+        assert taken.status_code == 409, taken.text
+        assert "done on 0 of 1" in taken.json()["error"]["message"]
+        assert taken.json()["replicas"][0]["status_code"] == 409
+    # The gateway's own checks: the name (a `=` breaks `--lora NAME=PATH`), the folder.
+    for name in ("a=b", "x" * 65, "with space"):
+        bad = load(name, other)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_name"
+    for path in ("/nonexistent", f"{roots}/../{Path(adapter).name}", str(roots), "relative"):
+        outside = load("outside", path)
+        assert outside.status_code == 403 and outside.json()["error"]["param"] == "lora_path"
     unloaded = post(gateway, {"lora_name": "extra"}, ADMIN_KEY, "/v1/unload_lora_adapter")
     assert unloaded.status_code == 200
+    assert unloaded.json()["replicas"][0]["result"] == "unloaded"
     assert post(gateway, {**chat(), "model": "extra"}).status_code == 404
+    gone = post(gateway, {"lora_name": "extra"}, ADMIN_KEY, "/v1/unload_lora_adapter")
+    assert gone.status_code == 404 and gone.json()["replicas"][0]["result"] == "not_loaded"
 
 
 def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
@@ -552,7 +583,8 @@ def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
         gateway.wait_ready(60)
         c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=LOW, max_retries=0)
         messages = [{"role": "user", "content": "hi"}]
-        for max_tokens, tier, variant in [(4, "economy", "int4"), (8, "primary", "unknown")]:
+        # The tier's variant is configured; the primary's is what the replica says it serves.
+        for max_tokens, tier, variant in [(4, "economy", "int4"), (8, "primary", "base")]:
             response = c.chat.completions.with_raw_response.create(
                 model=MODEL, messages=messages, max_tokens=max_tokens
             )

@@ -95,6 +95,10 @@ def test_adapters_load_and_unload_at_runtime(server, tiny_llama_dir: Path, tmp_p
     # Refusals, as OpenAI error bodies naming the field.
     taken = admin(server, "load", lora_name="attn", lora_path=str(late))
     assert taken.status_code == 409 and taken.json()["error"]["param"] == "lora_name"
+    again = admin(server, "load", lora_name="late", lora_path=f"{late}/")  # the same folder
+    assert again.status_code == 200 and again.json()["status"] == "already_loaded"
+    odd = admin(server, "load", lora_name="a=b", lora_path=str(late))  # `--lora a=b=PATH`
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "lora_name"
     missing = admin(server, "load", lora_name="x", lora_path=str(tmp_path / "nowhere"))
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     corrupt = make_tiny_lora(tiny_llama_dir, tmp_path / "corrupt", 8, ["q_proj"], seed=4)

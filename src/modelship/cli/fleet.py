@@ -69,12 +69,21 @@ def gateway(
             "$MODELSHIP_GATEWAY_TIER_ENDPOINTS, comma-separated)."
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_ENGINE",
+            help="The replicas' engine, ours or vllm: the health path, the priority order "
+            "and whether streams fail over (vLLM replicas: never) follow it.",
+        ),
+    ] = "ours",
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
     """Run only the gateway, in front of replicas given by address (e.g. Kubernetes)."""
     from modelship.gateway.app import create_gateway_app
     from modelship.gateway.canary import Track
+    from modelship.gateway.engines import EngineKind
     from modelship.gateway.launcher import run_gateway
     from modelship.gateway.pool import EndpointPool, static_upstreams
     from modelship.gateway.service import GatewayService
@@ -93,9 +102,13 @@ def gateway(
         weight = int(os.environ.get("MODELSHIP_GATEWAY_CANARY_WEIGHT", "0") or 0)
     if canary and not 0 <= weight <= 99:
         fail(f"--canary-weight must be 0..99 (percent), got {weight}", CONFIG_EXIT_CODE)
+    try:
+        kind = EngineKind(engine)
+    except ValueError:
+        fail(f"--engine must be ours or vllm, got {engine!r}", CONFIG_EXIT_CODE)
     pool = EndpointPool(config.gateway.resilience)
-    static_upstreams(pool, stable, Track.STABLE, "stable")
-    static_upstreams(pool, canary, Track.CANARY, "canary")
+    static_upstreams(pool, stable, Track.STABLE, "stable", engine=kind)
+    static_upstreams(pool, canary, Track.CANARY, "canary", engine=kind)
     tiers = {tier.name: tier for tier in config.gateway.tiers}
     tier_urls: dict[str, list[str]] = {}
     for item in tier_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_TIER_ENDPOINTS")):
@@ -106,7 +119,7 @@ def gateway(
                  f"({known})", CONFIG_EXIT_CODE)  # fmt: skip
         tier_urls.setdefault(name, []).append(url)
     for name, urls in tier_urls.items():
-        static_upstreams(pool, urls, Track.STABLE, "stable", name, tiers[name].variant)
+        static_upstreams(pool, urls, Track.STABLE, "stable", name, tiers[name].variant, kind)
     # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
     # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
     upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.cli.common import CONFIG_EXIT_CODE, LogFormat, fail, setup_logging
 from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
@@ -59,7 +60,14 @@ def serve(
             "can read a command line (ps).",
         ),
     ] = None,
-    variant: Annotated[str, typer.Option(help="Variant label on metrics.")] = "base",
+    variant: Annotated[
+        str | None,
+        typer.Option(
+            help="Variant label on metrics and /ready (default: the `variant` the model "
+            "folder's manifest.json names, as a release's or an optimized variant's does; "
+            "else base)."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = _ENGINE.device,
     dtype: Annotated[
         str | None, typer.Option(help="float32, bfloat16 or float16 (default: per device).")
@@ -279,7 +287,7 @@ def serve(
         port=port,
         served_model_name=served_model_name,
         api_key=api_key,
-        variant=variant,
+        variant=variant or manifest_variant(model_dir),
         grace_period_s=grace_period,
         engine_config=config,
         sock=socket.socket(fileno=fd) if fd is not None else None,
@@ -293,6 +301,19 @@ def serve(
         raise typer.Exit(code)
 
 
+def manifest_variant(model_dir: Path) -> str:
+    """The variant a published folder's manifest names: a release (`production` included,
+    which Kubernetes pods serve without knowing which variant select published) or an
+    optimized variant. A folder that is no published artifact serves `base`."""
+    from modelship.storage import StorageError, read_manifest
+
+    try:
+        variant = read_manifest(model_dir).extra.get("variant")
+    except StorageError:  # no manifest (a plain HF folder), or one that cannot be read
+        return "base"
+    return variant if isinstance(variant, str) and variant else "base"
+
+
 def _parse_loras(specs: list[str], model_name: str) -> tuple[tuple[str, str], ...]:
     """`--lora NAME=PATH` values as (name, path); a bad one is a usage error naming it."""
     adapters: dict[str, str] = {}
@@ -300,6 +321,8 @@ def _parse_loras(specs: list[str], model_name: str) -> tuple[tuple[str, str], ..
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             fail(f"--lora takes NAME=PATH, got {spec!r}", CONFIG_EXIT_CODE)
+        if not is_adapter_name(name):
+            fail(f"--lora {name!r}: a name is {ADAPTER_NAME_RULE}", CONFIG_EXIT_CODE)
         if name == model_name or name in adapters:
             fail(f"--lora {name}: the name is already taken", CONFIG_EXIT_CODE)
         if not (Path(path) / "adapter_config.json").is_file():

@@ -149,6 +149,9 @@ def engine_flags(ctx: RenderContext) -> list[str]:
         "--max-num-seqs", str(engine.max_num_seqs),
         "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
         "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching",
+        # The gateway sends each tenant's class as `priority` (vLLM refuses any but 0
+        # without this policy).
+        "--scheduling-policy", "priority",
     ]  # fmt: skip
     if engine.max_model_len:
         flags += ["--max-model-len", str(engine.max_model_len)]

@@ -232,9 +232,12 @@ def scaled_object(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
 
 
 def gateway_env(ctx: RenderContext) -> list[Json]:
-    """Where the gateway finds the engines, and the canary split it applies."""
+    """Where the gateway finds the engines, which engine they run, and the canary split."""
     stable, _ = track_names(ctx, "stable")
-    env = [{"name": "MODELSHIP_GATEWAY_ENDPOINTS", "value": f"http://{stable}:{ctx.port}"}]
+    env = [
+        {"name": "MODELSHIP_GATEWAY_ENDPOINTS", "value": f"http://{stable}:{ctx.port}"},
+        {"name": "MODELSHIP_GATEWAY_ENGINE", "value": ctx.serving.engine},
+    ]
     canary = ctx.serving.canary
     if canary is not None:
         name, _ = track_names(ctx, "canary")

@@ -25,7 +25,7 @@ from modelship.config import ModelshipConfig
 from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.releases import end_canary, read_traffic
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
-from modelship.gateway.adapters import Action, fan_out
+from modelship.gateway.adapters import Action, FanOut, fan_out, is_under
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
 from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
@@ -141,32 +141,55 @@ class LocalFleet:
     async def _change_adapters(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
         """An admin's load or unload, on every replica: those serving now at once, those
         still starting once they are ready (they were launched with the adapters of their
-        time). Replicas started afterwards get `runtime_loras` on their command line. A load
-        that fails anywhere is taken back everywhere."""
+        time). Replicas started afterwards get `runtime_loras` on their command line, so a
+        name is never loaded again from another folder (409: unload it first). A load
+        that fails anywhere is taken back from the replicas this call loaded it on."""
         name = body["lora_name"]
-        if action == "load":
-            if name == self.served_model_name or name in self.config.serve.loras:
-                raise GatewayError(409, f"the name `{name}` is already served", code="conflict")
-            self.runtime_loras[name] = str(Path(body["lora_path"]).resolve())
-            body = {**body, "lora_path": self.runtime_loras[name]}
-        elif name in self.config.serve.loras:
-            raise GatewayError(409, f"`{name}` is configured in serve.loras; remove it there",
+        if action == "unload":
+            if name in self.config.serve.loras:
+                raise GatewayError(409, f"`{name}` is configured in serve.loras; remove it "
+                                   "there", param="lora_name", code="conflict")  # fmt: skip
+            self.runtime_loras.pop(name, None)
+            done = await self._on_every_replica("unload", body)
+            return done.status_code, done.body
+        if name == self.served_model_name or name in self.config.serve.loras:
+            raise GatewayError(409, f"the name `{name}` is already served", param="lora_name",
                                code="conflict")  # fmt: skip
-        else:
-            self.runtime_loras.pop(name, None)
-        status, payload = await self._on_every_replica(action, body)
-        if status != 200 and action == "load":
-            self.runtime_loras.pop(name, None)
-            await self._on_every_replica("unload", {"lora_name": name})
-        return status, payload
+        # The replicas share this machine: links are resolved, and must stay under a root.
+        folder = str(Path(body["lora_path"]).resolve())
+        roots = [str(Path(root).resolve()) for root in self.config.gateway.adapter_roots]
+        if not is_under(folder, roots):
+            raise GatewayError(403, f"`lora_path` leads to {folder}, outside gateway."
+                               "adapter_roots", "permission_error", param="lora_path",
+                               code="forbidden")  # fmt: skip
+        known = self.runtime_loras.get(name)
+        if known is not None and known != folder:
+            raise GatewayError(409, f"the name `{name}` is already served from another "
+                               "folder; unload it first", param="lora_name",
+                               code="conflict")  # fmt: skip
+        self.runtime_loras[name] = folder
+        done = await self._on_every_replica("load", {**body, "lora_path": folder})
+        if done.status_code != 200:
+            if known is None:
+                self.runtime_loras.pop(name, None)
+            loaded = set(done.replicas_with("loaded"))
+            await self._on_every_replica("unload", {"lora_name": name}, only=loaded)
+        return done.status_code, done.body
 
-    async def _on_every_replica(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
+    async def _on_every_replica(
+        self, action: Action, body: dict[str, str], only: set[str] | None = None
+    ) -> FanOut:
         timeout_s = self.config.gateway.resilience.request_timeout_s
         client, headers = self.service.client, self.service.upstream_headers
         assert client is not None
         serving = (ReplicaState.READY, ReplicaState.STANDBY)
         replicas = [r for r in self.supervisor.replicas if r.state in serving]
         starting = [r for r in self.supervisor.replicas if r.state is ReplicaState.STARTING]
+        if only is not None:
+            replicas = [r for r in replicas if r.replica_id in only]
+            starting = []
+            if not replicas:
+                return FanOut(200, {}, [])
         deadline = time.monotonic() + self.config.autoscale.replica_start_timeout_s
         while starting and time.monotonic() < deadline:  # launched before this call
             await asyncio.sleep(0.25)

@@ -61,7 +61,7 @@ def create_gateway_app(
         action = "load" if request.url.path.endswith("/load_lora_adapter") else "unload"
         try:
             service.authenticate_admin(request)
-            body = parse_body(await request.body(), action)
+            body = parse_body(await request.body(), action, service.config.adapter_roots)
             status, payload = await service.change_adapters(action, body)
         except GatewayError as error:
             return error.response()

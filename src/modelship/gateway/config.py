@@ -6,6 +6,7 @@ belongs must not reach a terminal or a log.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Any
 
@@ -149,6 +150,9 @@ class GatewayConfig(_Section):
     # Keys (sha256 digests) that may load and unload LoRA adapters on every replica at
     # runtime (`gateway/adapters.py`); none: those routes answer 404.
     admin_api_key_sha256: list[str] = Field(default_factory=list)
+    # Folders (absolute, as the replicas see them) adapters may be loaded from through the
+    # gateway; none: loading is refused (unloading still works).
+    adapter_roots: list[str] = Field(default_factory=list)
 
     @field_validator("metrics_api_key_sha256", "admin_api_key_sha256", mode="before")
     @classmethod
@@ -165,6 +169,14 @@ class GatewayConfig(_Section):
                 "e.g. from `printf %s KEY | sha256sum`"
             )
         return digests
+
+    @field_validator("adapter_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        for root in roots:
+            if not root.startswith("/"):
+                raise ValueError(f"{root!r} is not an absolute path")
+        return [posixpath.normpath(root) for root in roots]
 
     @field_validator("tenants")
     @classmethod

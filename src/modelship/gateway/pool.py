@@ -1,9 +1,10 @@
 """The replicas the gateway can send to, their health, and the active checks that keep it.
 
 An `Upstream` is one replica as the request path sees it: the routing `Endpoint` (load),
-its track and release, its circuit breaker and its last health check. The pool decides
-routability in one place: healthy (last /ready was 200), not draining, breaker letting
-requests through, not ejected by the outlier detector.
+its track and release, the engine it runs (`engines.EngineKind`), its circuit breaker and
+its last health check. The pool decides routability in one place: healthy (the last check
+of the engine's health path was 200: /ready for ours, /health for vLLM), not draining,
+breaker letting requests through, not ejected by the outlier detector.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from modelship.gateway.canary import Track
 from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.endpoint import Endpoint
 from modelship.gateway.engine_load import EngineSample, parse_engine_sample
+from modelship.gateway.engines import EngineKind
 from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDetector
 from modelship.gateway.tiers import PRIMARY
 
@@ -37,10 +39,13 @@ class Upstream:
     variant: str
     breaker: CircuitBreaker
     tier: str = PRIMARY  # a cheaper tier's replicas are stable-track, tier named
+    engine: EngineKind = EngineKind.MODELSHIP
+    # Given by address with no variant: the one its /ready names (`learn_variant`).
+    learns_variant: bool = False
     is_healthy: bool = True
     is_draining: bool = False
     num_unanswered_checks: int = 0  # consecutive health checks that timed out or broke
-    engine: EngineSample | None = None  # its /metrics as last scraped
+    engine_sample: EngineSample | None = None  # its /metrics as last scraped
     _unresponsive: asyncio.Event = field(default_factory=asyncio.Event)
     _callbacks: set[Callable[[], None]] = field(default_factory=set)  # `on_unresponsive`
 
@@ -120,6 +125,7 @@ class EndpointPool:
         variant: str = "unknown",
         is_healthy: bool = True,
         tier: str = PRIMARY,
+        engine: EngineKind = EngineKind.MODELSHIP,
     ) -> Upstream:
         """Start routing to a replica (the supervisor calls this once /ready is 200)."""
         breaker = CircuitBreaker(
@@ -127,7 +133,7 @@ class EndpointPool:
             cool_down_s=self.config.breaker_cool_down_s,
         )
         endpoint = Endpoint(endpoint_id=endpoint_id, url=url.rstrip("/"), release=release)
-        upstream = Upstream(endpoint, track, variant, breaker, tier, is_healthy=is_healthy)
+        upstream = Upstream(endpoint, track, variant, breaker, tier, engine, is_healthy=is_healthy)
         self._upstreams[endpoint_id] = upstream
         self.outliers.set_endpoints(self._upstreams)
         self.refresh(upstream)
@@ -171,6 +177,10 @@ class EndpointPool:
                 result.append(upstream.endpoint)
         return result
 
+    def can_resume(self) -> bool:
+        """Every replica can resume a stream another one began (mid-stream failover)."""
+        return all(upstream.engine.can_resume for upstream in self._upstreams.values())
+
     def has_routable(self, track: Track, tier: str = PRIMARY) -> bool:
         return any(endpoint.is_routable for endpoint in self.endpoints(track, tier))
 
@@ -194,7 +204,8 @@ class EndpointPool:
 
 
 class HealthChecker:
-    """Active checks: /ready of every replica each `health_check_interval_s`, and its
+    """Active checks: the health path of every replica (its engine's: /ready or /health)
+    each `health_check_interval_s`, and its
     /metrics each `metrics_scrape_interval_s` for the load other gateways put on it."""
 
     def __init__(self, pool: EndpointPool, client: httpx.AsyncClient) -> None:
@@ -217,9 +228,12 @@ class HealthChecker:
     async def check(self, upstream: Upstream, scrape: bool) -> None:
         timeout = self.pool.config.connect_timeout_s
         try:
-            response = await self.client.get(f"{upstream.url}/ready", timeout=timeout)
+            url = f"{upstream.url}{upstream.engine.health_path}"
+            response = await self.client.get(url, timeout=timeout)
             healthy = response.status_code == 200
             upstream.record_check(answered=True)
+            if healthy and upstream.learns_variant:
+                learn_variant(upstream, response)
         except httpx.HTTPError as exc:
             healthy = False
             # Refused: the process is gone (its attempts fail on their own); silence: hung.
@@ -240,10 +254,23 @@ class HealthChecker:
         except httpx.HTTPError:
             return
         sample = parse_engine_sample(response.text)
-        upstream.engine = sample
+        upstream.engine_sample = sample
         running, waiting = sample.get("num_requests_running"), sample.get("num_requests_waiting")
         upstream.endpoint.num_requests_running = None if running is None else int(running)
         upstream.endpoint.num_requests_waiting = None if waiting is None else int(waiting)
+
+
+def learn_variant(upstream: Upstream, response: httpx.Response) -> None:
+    """A replica given by address says what it serves in its /ready body (`modelship serve`
+    reads it from the manifest of `production`, which only select knew): its answers are
+    then labelled and priced as that variant. A body naming none changes nothing."""
+    try:
+        variant = response.json().get("variant")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return
+    if isinstance(variant, str) and variant and variant != upstream.variant:
+        logger.info("%s serves variant %s", upstream.endpoint_id, variant)
+        upstream.variant = variant
 
 
 def static_upstreams(
@@ -252,9 +279,14 @@ def static_upstreams(
     track: Track,
     release: str,
     tier: str = PRIMARY,
-    variant: str = "unknown",
+    variant: str | None = None,
+    engine: EngineKind = EngineKind.MODELSHIP,
 ) -> None:
-    """Endpoints given by address (Kubernetes Services): unhealthy until the first check."""
+    """Endpoints given by address (Kubernetes Services): unhealthy until the first check.
+    With no `variant` (the production and canary releases: which variant they serve is
+    select's choice, made after the render), each one's is what its /ready says."""
     prefix = track if tier == PRIMARY else f"tier-{tier}"
     for i, url in enumerate(urls):
-        pool.add(f"{prefix}-{i}", url, track, release, variant, is_healthy=False, tier=tier)
+        upstream = pool.add(f"{prefix}-{i}", url, track, release, variant or "unknown",
+                            is_healthy=False, tier=tier, engine=engine)  # fmt: skip
+        upstream.learns_variant = variant is None

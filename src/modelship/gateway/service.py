@@ -34,6 +34,7 @@ from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.engine_load import ReplicaEngine
+from modelship.gateway.engines import UpstreamBodies
 from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
 from modelship.gateway.pool import EndpointPool, HealthChecker, Upstream
@@ -201,9 +202,9 @@ class GatewayService:
             desired_replicas={},
             canary_weight=self.canary_weight,
             engines=[
-                ReplicaEngine(u.endpoint_id, u.variant, u.engine)
+                ReplicaEngine(u.endpoint_id, u.variant, u.engine_sample)
                 for u in self.pool
-                if u.engine is not None
+                if u.engine_sample is not None
             ],
         )
 
@@ -266,8 +267,9 @@ class GatewayService:
             return await self.on_change_adapters(action, body)
         assert self.client is not None
         replicas = [(u.endpoint_id, u.url) for u in self.pool]
-        return await fan_out(self.client, replicas, action, body, self.upstream_headers,
+        done = await fan_out(self.client, replicas, action, body, self.upstream_headers,
                              self.config.resilience.request_timeout_s)  # fmt: skip
+        return done.status_code, done.body
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""
@@ -469,11 +471,12 @@ class GatewayService:
         failover = (
             parsed.stream
             and resilience.max_failovers > 0
+            and self.pool.can_resume()  # no vLLM replica: it cannot resume a stream
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
-        content = parsed.encode()
+        bodies = UpstreamBodies(parsed, tenant.priority)  # `priority` as each engine reads it
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
@@ -494,7 +497,7 @@ class GatewayService:
                         await asyncio.sleep(self.retry_policy.backoff_s(num_attempts))
                     num_attempts += 1
                     attempt = await self._attempt(
-                        upstream, path, content, headers, parsed, hold, routing
+                        upstream, path, bodies.of(upstream.engine), headers, parsed, hold, routing
                     )
                     if attempt.failure is None or not self.retry_policy.should_retry(
                         attempt.failure, num_attempts
@@ -664,7 +667,11 @@ class GatewayService:
         for upstream in self._candidates(track, routing, tier):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
-            if upstream.endpoint_id in hold.tried or not upstream.breaker.allow_request():
+            if (
+                upstream.endpoint_id in hold.tried
+                or not upstream.engine.can_resume  # vLLM ignores `resume_token_ids`
+                or not upstream.breaker.allow_request()
+            ):
                 continue
             hold.num_failovers += 1
             hold.tried.add(upstream.endpoint_id)

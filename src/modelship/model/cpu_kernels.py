@@ -9,11 +9,13 @@
 
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
 kernels. The build is a torch C++ extension compiled with ninja into torch's extension
-cache (`TORCH_EXTENSIONS_DIR`) under a name that carries a digest of the sources and flags,
-so a machine compiles each version once per checkout (`make setup` does it ahead of
-time), later loads take milliseconds, and checkouts sharing the cache do not rebuild over
-each other's library (the digest covers the sources' folder too: torch regenerates a build
-file that names other source paths, and ninja then rebuilds). Builders and loaders of one
+cache (`TORCH_EXTENSIONS_DIR`) under a name that carries a digest of the sources, flags and
+torch version, so a machine compiles each version once per checkout (`make setup` does it
+ahead of time; the image's build stage too, the runtime stage has no compiler), and
+checkouts sharing the cache do not rebuild over each other's library (the digest covers the
+sources' folder too: torch regenerates a build file that names other source paths, and
+ninja then rebuilds). A library already built under that name is loaded as it is, with
+neither compiler nor ninja. Builders and loaders of one
 build folder take turns under an `fcntl.flock` the kernel releases when its holder dies, so
 a torch build lock found by the holder can only have been left by a killed build.
 """
@@ -61,7 +63,10 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         name = _build_name()
-        with _one_builder(Path(cpp_extension._get_build_directory(name, False))):
+        build_dir = Path(cpp_extension._get_build_directory(name, False))
+        if _load_prebuilt(build_dir / f"{name}.so"):
+            return True
+        with _one_builder(build_dir):
             cpp_extension.load(
                 name=name,
                 sources=[str(path) for path in _SOURCES],
@@ -80,10 +85,25 @@ def _build_name() -> str:
     """`_NAME` plus a digest of what goes into the build (torch's own check is per process,
     and one build directory per name would be relinked by whichever version loads last)."""
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    digest.update(torch.__version__.encode())  # the library links against this libtorch
     digest.update(str(_CSRC.resolve()).encode())
     for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     return f"{_NAME}_{digest.hexdigest()[:12]}"
+
+
+def _load_prebuilt(library: Path) -> bool:
+    """Load a library built earlier under this build's name (its digest covers everything
+    that went into it); False when there is none, or a killed build left it unreadable (it
+    is then built again)."""
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        logger.warning("%s does not load (%s); building it again", library, exc)
+        return False
+    return True
 
 
 @contextlib.contextmanager

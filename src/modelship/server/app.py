@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -58,7 +58,7 @@ def create_app(
     limits: RequestLimitsConfig | None = None,
     stall_timeout_s: float = 120.0,
     tracing: Tracing | None = None,
-    adapters: tuple[str, ...] = (),
+    adapters: Mapping[str, str] | None = None,  # name -> folder, served from the start
     lora_admin: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
@@ -157,7 +157,9 @@ def create_app(
             status = "stalled"
         else:
             status = "ready" if ok else ("draining" if state.draining else "starting")
-        return JSONResponse({"status": status}, status_code=200 if ok else 503)
+        # The variant tells a gateway in front of addresses (Kubernetes) what it routes to.
+        body = {"status": status, "variant": variant}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -182,9 +184,12 @@ def create_app(
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authenticate)])
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> JSONResponse:
         check_lora_admin()
-        await serving.load_adapter(body)
-        logger.info("LoRA adapter %s loaded from %s", body.lora_name, body.lora_path)
-        return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": "loaded"})
+        if not await serving.load_adapter(body):  # served from that folder already
+            status = "already_loaded"
+        else:
+            status = "loaded"
+            logger.info("LoRA adapter %s loaded from %s", body.lora_name, body.lora_path)
+        return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "status": status})
 
     @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authenticate)])
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> JSONResponse:

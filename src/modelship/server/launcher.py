@@ -81,7 +81,7 @@ def serve(
         limits=limits,
         stall_timeout_s=stall_timeout_s,
         tracing=tracer,
-        adapters=tuple(name for name, _ in engine_config.loras) if engine_config else (),
+        adapters=dict(engine_config.loras) if engine_config else None,
         lora_admin=lora_admin,
     )
     config = uvicorn.Config(

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from modelship.adapter_names import ADAPTER_NAME_PATTERN
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -249,7 +251,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     """`POST /v1/load_lora_adapter` (vLLM's body)."""
 
     model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=256, pattern=r"^\S(.*\S)?$")
+    lora_name: str = Field(pattern=ADAPTER_NAME_PATTERN)
     lora_path: str = Field(min_length=1)
 
 

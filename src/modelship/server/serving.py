@@ -6,7 +6,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -60,11 +60,14 @@ class OpenAIServing:
         metrics: ServerMetrics,
         limits: RequestLimitsConfig | None = None,
         tracing: Tracing | None = None,
-        adapters: tuple[str, ...] = (),
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.engine = engine
-        # LoRA adapters served over the model, by name (runtime loads change it)
-        self.adapters: list[str] = list(adapters)
+        # LoRA adapters served over the model: name -> the folder its weights came from
+        # (runtime loads change it)
+        self.adapters: dict[str, str] = {
+            name: _folder(path) for name, path in (adapters or {}).items()
+        }
         self.tracing = tracing or Tracing()
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -87,11 +90,20 @@ class OpenAIServing:
             )
         self.limits.check(request)
 
-    async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> None:
-        """Load a LoRA adapter at runtime (`POST /v1/load_lora_adapter`)."""
+    async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> bool:
+        """Load a LoRA adapter at runtime (`POST /v1/load_lora_adapter`). False: it is
+        already served under that name from that folder (a repeated call changes nothing);
+        the name served from another folder, or the model's own, is a conflict: one name
+        never stands for two sets of weights."""
         name, path = body.lora_name, Path(body.lora_path)
+        if name in self.adapters and self.adapters[name] == _folder(body.lora_path):
+            return False
         if name == self.model_name or name in self.adapters:
-            raise ConflictError(f"the name `{name}` is already served", "lora_name")
+            raise ConflictError(
+                f"the name `{name}` is already served"
+                + ("" if name == self.model_name else " from another folder; unload it first"),
+                "lora_name",
+            )
         if not (path / "adapter_config.json").is_file():
             raise BadRequestError(
                 f"{body.lora_path} has no adapter_config.json (not a PEFT adapter folder "
@@ -104,14 +116,15 @@ class OpenAIServing:
             raise BadRequestError(str(exc), "lora_path") from exc
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
-        self.adapters.append(name)
+        self.adapters[name] = _folder(body.lora_path)
+        return True
 
     async def unload_adapter(self, body: p.UnloadLoRAAdapterRequest) -> None:
         """Stop serving an adapter (`POST /v1/unload_lora_adapter`): new requests for it get
         404; running ones finish with the weights they started with."""
         if body.lora_name not in self.adapters:
             raise ModelNotFoundError(f"no LoRA adapter `{body.lora_name}` is loaded", "lora_name")
-        self.adapters.remove(body.lora_name)  # first: no new request starts on it
+        del self.adapters[body.lora_name]  # first: no new request starts on it
         try:
             await self.engine.unload_lora(body.lora_name)
         except EngineDeadError as exc:
@@ -390,6 +403,11 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _folder(path: str) -> str:
+    """An adapter folder as compared between loads: absolute, links resolved."""
+    return str(Path(path).resolve())
 
 
 def _engine_dead(exc: EngineDeadError) -> UnavailableError:

@@ -16,12 +16,22 @@ from modelship.server.process import ReplicaProcess
 class GatewayProcess(ReplicaProcess):
     inherits_socket = False  # the gateway binds --port itself
 
-    def __init__(self, tmp_path: Path, gateway: dict, *endpoint_args: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        gateway: dict,
+        *endpoint_args: str,
+        api_key: str | None = None,
+        sections: dict | None = None,
+    ) -> None:
+        """`api_key`: the replicas' key (MODELSHIP_API_KEY, as Kubernetes hands it over);
+        `sections`: more of pipeline.yaml than its `gateway:` (e.g. `deploy:`)."""
         config = tmp_path / "pipeline.yaml"
-        config.write_text(yaml.safe_dump({"gateway": gateway}))
+        config.write_text(yaml.safe_dump({"gateway": gateway, **(sections or {})}))
         super().__init__(
-            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log"
-        )
+            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log",
+            api_key=api_key,
+        )  # fmt: skip
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "modelship", "gateway", *self.args,

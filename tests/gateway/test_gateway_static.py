@@ -27,6 +27,7 @@ HIGH, LOW = "sk-high-test", "sk-low-test"
 METRICS_KEY = "sk-metrics-test"
 METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}
 ADMIN_KEY = "sk-admin-test"
+REPLICA_KEY = "sk-replica-test"  # tenants need replicas with a key (they trust it alone)
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(180)
 def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess(
         tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
-        "--kv-cache-memory-mb", "32", "--enable-lora-admin",
+        "--kv-cache-memory-mb", "32", "--enable-lora-admin", api_key=REPLICA_KEY,
     )  # fmt: skip
     yield process
     process.stop()
@@ -54,7 +55,9 @@ def start_gateway(tmp_path: Path):
     def start(endpoints: list[str], **gateway) -> GatewayProcess:
         config = {"tenants": tenants(), "metrics_api_key_sha256": hash_api_key(METRICS_KEY)}
         endpoint_args = [arg for url in endpoints for arg in ("--endpoint", url)]
-        process = GatewayProcess(tmp_path, {**config, **gateway}, *endpoint_args)
+        process = GatewayProcess(
+            tmp_path, {**config, **gateway}, *endpoint_args, api_key=REPLICA_KEY
+        )
         started.append(process)
         process.wait_ready(60)
         return process
@@ -408,7 +411,8 @@ def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
         "tier_rules": [{"name": "short", "tier": "economy", "max_output_tokens": 4}],
     }
     gateway = GatewayProcess(tmp_path, tiers, "--endpoint", replica.url,
-                             "--tier-endpoint", f"economy={replica.url}")  # fmt: skip
+                             "--tier-endpoint", f"economy={replica.url}",
+                             api_key=REPLICA_KEY)  # fmt: skip
     try:
         gateway.wait_ready(60)
         c = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=LOW, max_retries=0)

@@ -110,6 +110,14 @@ def gateway(
     # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
     # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
     upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key
+    if config.gateway.tenants and not upstream_key:
+        fail(
+            "gateway.tenants: the replicas need an API key to trust the gateway's per-tenant "
+            "settings (prefix-cache namespace, max_input_tokens); without one tenants would "
+            "share one prefix cache. Set serve.api_key (or MODELSHIP_API_KEY) here and on "
+            "the replicas",
+            CONFIG_EXIT_CODE,
+        )
     service = GatewayService(
         config.gateway,
         pool,
@@ -118,6 +126,7 @@ def gateway(
         canary_weight=weight if canary else 0,
         tracing=Tracing(config.tracing, "modelship-gateway"),
         access_log=config.log_format == "json",
+        replica_engine=config.deploy.serving.engine,  # what `deploy render` runs behind it
     )
     setup_logging(config.log_format)
     run_gateway(

@@ -55,6 +55,7 @@ from modelship.gateway.resilience import BreakerState, Failure, FailureKind, Ret
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import (
     CACHE_SALT_HEADER,
+    MAX_INPUT_TOKENS_HEADER,
     Tenant,
     TenantConfig,
     TenantLimiter,
@@ -100,7 +101,11 @@ class GatewayService:
         fleet_snapshot: Callable[[], FleetSnapshot] | None = None,
         tracing: Tracing | None = None,
         access_log: bool = False,
+        replica_engine: str = "ours",
     ) -> None:
+        """`replica_engine`: "ours" (`modelship serve`) or "vllm" (`vllm serve`, which takes
+        a tenant's cache namespace as its `cache_salt` body field and knows none of the
+        gateway's headers)."""
         self.config = config
         self.tracing = tracing or Tracing()  # off unless configured: spans cost nothing
         self.access_log = access_log
@@ -137,6 +142,11 @@ class GatewayService:
         self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
+        self.replica_engine = replica_engine
+        # Our replicas take the gateway's settings (cache namespace, input cap, failover's
+        # fields) only with their key (server/gateway_hints.py): without one, the gateway
+        # checks `max_input_tokens` on its estimate and streams never fail over.
+        self.replicas_trust_gateway = bool(upstream_api_key) and replica_engine == "ours"
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
         # variant -> price per 1k tokens (`modelship up` adds those derived from select's
         # measurements); the ledger is the usage file on storage `modelship usage` reads.
@@ -320,9 +330,10 @@ class GatewayService:
 
     def _admit(self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span) -> _Hold:
         now = time.monotonic()
-        limit = self.limiter.admit(
-            tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now, parsed.num_sequences
-        )
+        # A text's token count is the replica's to check (exactly) when it trusts us.
+        check_max_input = parsed.input_is_exact or not self.replicas_trust_gateway
+        limit = self.limiter.admit(tenant, parsed.model, parsed.input_tokens, parsed.max_tokens,
+                                   now, parsed.num_sequences, check_max_input)  # fmt: skip
         if not limit.ok:
             reason = str(limit.reason)
             self.metrics.rejections.labels(tenant.name, reason).inc()
@@ -332,9 +343,11 @@ class GatewayService:
                 _REFUSAL_TYPES.get(limit.status_code, "invalid_request_error"),
                 reason,
                 limit.retry_after_s if limit.status_code == 429 else None,
+                limit.param,
             )
         admitted = self.admission.try_admit(tenant.priority, parsed.num_sequences)
         if not admitted.ok:
+            self.limiter.charge(tenant.name, -limit.num_reserved_tokens, now)
             self.limiter.release(tenant.name, parsed.num_sequences)
             self.metrics.rejections.labels(tenant.name, admitted.reason or "queue_full").inc()
             if admitted.status_code == 400:
@@ -344,8 +357,9 @@ class GatewayService:
             parsed.set("max_tokens", limit.max_tokens)
             parsed.max_tokens = limit.max_tokens
         parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
-        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter(),
-                     request_id, parsed.model or "default", span)  # fmt: skip
+        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens,
+                     limit.num_reserved_tokens, time.perf_counter(), request_id,
+                     parsed.model or "default", span)  # fmt: skip
 
     def _requested_tier(self, request: Request) -> str | None:
         """The tier the client named (`x-modelship-tier`), checked; None: not named."""
@@ -447,16 +461,21 @@ class GatewayService:
         failover = (
             parsed.stream
             and resilience.max_failovers > 0
+            and self.replicas_trust_gateway  # a replica takes the fields only with its key
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
+        if self.replica_engine == "vllm":
+            parsed.set("cache_salt", tenant.cache_salt)  # vLLM's own field; wins over a client's
         content = parsed.encode()
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
             CACHE_SALT_HEADER: tenant.cache_salt,  # equal prefixes are shared within it only
         }
+        if tenant.config.max_input_tokens is not None:  # checked on the replica's own count
+            headers[MAX_INPUT_TOKENS_HEADER] = str(tenant.config.max_input_tokens)
         deadline = asyncio.get_running_loop().time() + resilience.request_timeout_s
         attempt: Attempt | None = None
         num_attempts = num_candidates = 0
@@ -707,7 +726,8 @@ class _Hold:
     service: GatewayService
     tenant: Tenant
     num_sequences: int
-    input_tokens: int  # the estimate taken from the tenant's bucket at admission
+    input_tokens: int  # as estimated at admission
+    num_reserved_tokens: int  # taken from the tenant's bucket at admission
     started_at: float
     request_id: str = ""
     model: str = "default"
@@ -726,12 +746,16 @@ class _Hold:
         if self.ended:
             return
         self.ended = True
+        abandoned = usage is None and self.num_output_if_abandoned > 0
         if usage is None:
             usage = Usage(self.input_tokens, self.num_output_if_abandoned)
+        num_used = usage.prompt_tokens + usage.completion_tokens
+        if abandoned:  # mid-generation: it may have used all the reservation allowed
+            num_used = max(num_used, self.num_reserved_tokens)
         service, name = self.service, self.tenant.name
-        # The input was estimated at admission: charge (or refund) the difference.
-        extra = usage.prompt_tokens - self.input_tokens + usage.completion_tokens
-        service.limiter.charge(name, extra, time.monotonic())
+        # The reservation covered the input's estimate and the output's bound: refund what
+        # went unused (or charge an underestimated input, or an unbounded output).
+        service.limiter.charge(name, num_used - self.num_reserved_tokens, time.monotonic())
         service.limiter.release(name, self.num_sequences)
         service.admission.release(self.tenant.priority, self.num_sequences)
         metrics = service.metrics

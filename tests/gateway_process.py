@@ -17,14 +17,21 @@ class GatewayProcess(ReplicaProcess):
     inherits_socket = False  # the gateway binds --port itself
 
     def __init__(
-        self, tmp_path: Path, gateway: dict, *endpoint_args: str, sections: dict | None = None
+        self,
+        tmp_path: Path,
+        gateway: dict,
+        *endpoint_args: str,
+        api_key: str | None = None,
+        sections: dict | None = None,
     ) -> None:
-        """`sections`: more of pipeline.yaml than its `gateway:` (e.g. `tracing:`)."""
+        """`api_key`: the replicas' key (MODELSHIP_API_KEY, as Kubernetes hands it over);
+        `sections`: more of pipeline.yaml than its `gateway:` (e.g. `deploy:`, `tracing:`)."""
         config = tmp_path / "pipeline.yaml"
         config.write_text(yaml.safe_dump({"gateway": gateway, **(sections or {})}))
         super().__init__(
-            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log"
-        )
+            Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log",
+            api_key=api_key,
+        )  # fmt: skip
         self.metrics_key: str | None = None  # a gateway.metrics_api_key_sha256 key
 
     def command(self) -> list[str]:

@@ -10,9 +10,12 @@ from modelship.server.process import ReplicaProcess
 
 
 class ServerProcess(ReplicaProcess):
-    def __init__(self, model_dir: Path, *args: str, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, model_dir: Path, *args: str, timeout_s: float = 120.0, api_key: str | None = None
+    ) -> None:
         name = f"modelship-serve-{uuid.uuid4().hex[:8]}.log"
-        super().__init__(model_dir, *args, log_path=Path(os.environ.get("TMPDIR", "/tmp")) / name)
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / name
+        super().__init__(model_dir, *args, log_path=log_path, api_key=api_key)
         self.wait_ready(timeout_s)
 
     def log(self) -> str:

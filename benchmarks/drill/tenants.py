@@ -6,6 +6,12 @@ replica key made up by the fleet:
 - B's model allow list holds for B (a model it may not use is refused, with an OpenAI
   error body) and does not limit A;
 - B's rate budget runs out for B alone: B gets 429 with Retry-After, A goes on;
+- the failover's body fields (`resume_token_ids`, `return_token_ids`) are the gateway's:
+  a client sending them gets a 400 naming the field, and the replica takes nothing from a
+  client without its key;
+- C's `max_input_tokens` holds on the real token count: a prompt of CJK characters and
+  emoji, under the cap by characters / 4 and far over it in tokens, is refused with the
+  gateway's own 400 (`input_too_long`) by the replica that counted it;
 - the prefix cache is per tenant: A's repeated prompt hits A's blocks, B's same prompt
   never does (so the timing of a hit cannot reveal A's prompt to B), and A's greedy
   answer is identical with and without the hit;
@@ -29,6 +35,10 @@ from fleet_storage import publish_release
 
 SLUG = "drill"
 KEY_A, KEY_B, METRICS_KEY = "sk-drill-tenant-a-0123", "sk-drill-tenant-b-4567", "sk-drill-m-89"
+KEY_C = "sk-drill-tenant-c-2468"
+MAX_INPUT_TOKENS = 200
+# 700 characters: 175 "tokens" by characters / 4, several hundred by any tokenizer.
+WIDE_PROMPT = "🚀漢" * 350
 PROMPT = "Prefix caching reuses the key and value blocks of a prompt seen before. " * 3
 
 
@@ -43,6 +53,8 @@ def run(context: DrillContext) -> DrillResult:
                 {"name": "a", "api_key_sha256": hash_api_key(KEY_A)},
                 {"name": "b", "api_key_sha256": hash_api_key(KEY_B), "requests_per_minute": 3,
                  "allowed_models": ["another-model"]},
+                {"name": "c", "api_key_sha256": hash_api_key(KEY_C),
+                 "max_input_tokens": MAX_INPUT_TOKENS},
             ],
             "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
         },
@@ -54,6 +66,8 @@ def run(context: DrillContext) -> DrillResult:
         up.wait_ready(timeout_s=180)
         _keys(up, result, bodies)
         _allow_list_and_budget(up, result, bodies)
+        _failover_fields(up, result, bodies)
+        _input_cap(up, result, bodies)
         _prefix_cache(up, result)
         metrics = [
             httpx.get(f"{up.url}/metrics", timeout=10).text,
@@ -62,9 +76,10 @@ def run(context: DrillContext) -> DrillResult:
     finally:
         code = up.stop()
     result.check("the fleet stops cleanly", code == 0, f"exit {code}")
-    leaks = secrets_found([up.log_path], [KEY_A, KEY_B, METRICS_KEY])
-    leaks += [f"/metrics: {k[:6]}..." for k in (KEY_A, KEY_B) for text in metrics if k in text]
-    leaks += [f"error body: {k[:6]}..." for k in (KEY_A, KEY_B) for b in bodies if k in b]
+    keys = (KEY_A, KEY_B, KEY_C)
+    leaks = secrets_found([up.log_path], [*keys, METRICS_KEY])
+    leaks += [f"/metrics: {k[:6]}..." for k in keys for text in metrics if k in text]
+    leaks += [f"error body: {k[:6]}..." for k in keys for b in bodies if k in b]
     result.check("no key in logs, metrics or error bodies", not leaks, "; ".join(leaks))
     result.figures["error_bodies_checked"] = len(bodies)
     run_routing(context, result)
@@ -130,6 +145,55 @@ def _allow_list_and_budget(up: UpProcess, result: DrillResult, bodies: list[str]
     )
     a_after = [_ask(up, KEY_A).status_code for _ in range(3)]
     result.check("A goes on while B is limited", a_after == [200] * 3, str(a_after))
+
+
+def _failover_fields(up: UpProcess, result: DrillResult, bodies: list[str]) -> None:
+    seen = []
+    for name, value in [("resume_token_ids", [0, 1, 2] * 300), ("return_token_ids", True)]:
+        response = _ask(up, KEY_A, stream=True, **{name: value})
+        bodies.append(response.text)
+        param = response.json()["error"]["param"] if is_openai_error(response) else None
+        seen.append((name, response.status_code, param))
+    result.check(
+        "a client sending the failover's fields gets a 400 naming the field",
+        all(status == 400 and param == name for name, status, param in seen),
+        str(seen),
+    )
+    (replica,) = up.replicas()
+    body = {"model": SLUG, "prompt": "Hello", "max_tokens": 4, "stream": True,
+            "resume_token_ids": [0, 1, 2]}  # fmt: skip
+    direct = httpx.post(f"{up.replica_url(replica)}/v1/completions", json=body, timeout=30)
+    bodies.append(direct.text)
+    result.check(
+        "the replica takes them from no client without its key (401)",
+        direct.status_code == 401 and is_openai_error(direct),
+        f"{direct.status_code} {direct.text[:200]}",
+    )
+
+
+def _input_cap(up: UpProcess, result: DrillResult, bodies: list[str]) -> None:
+    messages = [{"role": "user", "content": WIDE_PROMPT}]
+    body = {"model": SLUG, "messages": messages, "max_tokens": 4}
+    response = httpx.post(f"{up.url}/v1/chat/completions", json=body, headers=_auth(KEY_C),
+                          timeout=60)  # fmt: skip
+    bodies.append(response.text)
+    error = response.json()["error"] if is_openai_error(response) else {}
+    result.check(
+        f"C's max_input_tokens ({MAX_INPUT_TOKENS}) holds on the replica's token count "
+        f"({len(WIDE_PROMPT)} CJK characters and emoji: 400 input_too_long)",
+        response.status_code == 400 and error.get("code") == "input_too_long",
+        f"{response.status_code} {response.text[:200]}",
+    )
+    own = _ask(up, KEY_C, prompt=[5] * (MAX_INPUT_TOKENS + 1))
+    bodies.append(own.text)
+    same = is_openai_error(own) and own.json()["error"] == {**error, "message": (
+        f"the prompt has {MAX_INPUT_TOKENS + 1} tokens; this key allows at most "
+        f"{MAX_INPUT_TOKENS}")}  # fmt: skip
+    result.check(
+        "the replica's refusal is the gateway's own (token ids it counts itself)",
+        own.status_code == 400 and same,
+        f"{own.status_code} {own.text[:200]} vs {error}",
+    )
 
 
 def _prefix_hits(up: UpProcess) -> float:

@@ -521,3 +521,15 @@ def test_the_kv_cache_dtype_reaches_vllm_or_is_refused() -> None:
     assert "--kv-cache-dtype" not in vllm_args("bfloat16")  # the model's dtype: vLLM's auto
     with pytest.raises(RenderError, match="vLLM has no int8 KV cache"):
         vllm_args("int8")
+
+
+def test_tenants_need_a_key_the_engines_trust() -> None:
+    from modelship.deploy.render import RenderError
+    from modelship.gateway import hash_api_key
+
+    gateway = {"tenants": [{"name": "a", "api_key_sha256": hash_api_key("sk-a")}]}
+    # Without one, the engines would ignore every tenant's cache namespace: one shared cache.
+    with pytest.raises(RenderError, match=r"gateway\.tenants: .* set serve\.api_key"):
+        render(config_for("deployment", gateway=gateway))
+    keyed = render(config_for("deployment", gateway=gateway, serve={"api_key": "sk-replicas"}))
+    assert by_kind(keyed.objects, "Secret")

@@ -32,6 +32,7 @@ HIGH, LOW, PARTNER = "sk-high-test", "sk-low-test", "sk-partner-test"
 METRICS_KEY = "sk-metrics-test"
 METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}
 ADMIN_KEY = "sk-admin-test"
+REPLICA_KEY = "sk-replica-test"  # tenants need replicas with a key (they trust it alone)
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.timeout(180)
 def replica(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess(
         tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
-        "--kv-cache-memory-mb", "32", "--enable-lora-admin",
+        "--kv-cache-memory-mb", "32", "--enable-lora-admin", api_key=REPLICA_KEY,
     )  # fmt: skip
     yield process
     process.stop()
@@ -59,7 +60,9 @@ def start_gateway(tmp_path: Path):
     def start(endpoints: list[str], **gateway) -> GatewayProcess:
         config = {"tenants": tenants(), "metrics_api_key_sha256": hash_api_key(METRICS_KEY)}
         endpoint_args = [arg for url in endpoints for arg in ("--endpoint", url)]
-        process = GatewayProcess(tmp_path, {**config, **gateway}, *endpoint_args)
+        process = GatewayProcess(
+            tmp_path, {**config, **gateway}, *endpoint_args, api_key=REPLICA_KEY
+        )
         started.append(process)
         process.wait_ready(60)
         return process
@@ -236,7 +239,7 @@ def test_a_client_traceparent_is_linked_never_continued(replica: ServerProcess, 
     def traced_request(ratio: float) -> list[dict]:
         tracing = {"exporter": "file", "file": str(spans), "sample_ratio": ratio}
         gateway = GatewayProcess(tmp_path, {"tenants": tenants()}, "--endpoint", replica.url,
-                                 sections={"tracing": tracing})  # fmt: skip
+                                 api_key=REPLICA_KEY, sections={"tracing": tracing})  # fmt: skip
         try:
             gateway.wait_ready(60)
             response = post(gateway, chat(), headers={"traceparent": traceparent})
@@ -268,7 +271,8 @@ def test_one_tenant_cannot_roll_back_a_healthy_canary(replica: ServerProcess, tm
                    "max_ttft_p95_ratio": 1.5, "min_ttft_increase_s": 0.02},
     }  # fmt: skip
     gateway = GatewayProcess(tmp_path, gateway_config, "--endpoint", replica.url,
-                             "--canary-endpoint", replica.url, "--canary-weight", "50")  # fmt: skip
+                             "--canary-endpoint", replica.url, "--canary-weight", "50",
+                             api_key=REPLICA_KEY)  # fmt: skip
     gateway.metrics_key = METRICS_KEY
     split_key = hashlib.sha256(secret.encode()).digest()
     sessions = {True: [], False: []}
@@ -577,7 +581,8 @@ def test_tier_replicas_given_by_address(replica: ServerProcess, tmp_path: Path):
         "metrics_api_key_sha256": hash_api_key(METRICS_KEY),
     }
     gateway = GatewayProcess(tmp_path, tiers, "--endpoint", replica.url,
-                             "--tier-endpoint", f"economy={replica.url}")  # fmt: skip
+                             "--tier-endpoint", f"economy={replica.url}",
+                             api_key=REPLICA_KEY)  # fmt: skip
     gateway.metrics_key = METRICS_KEY
     try:
         gateway.wait_ready(60)

@@ -35,8 +35,9 @@ def start(tmp_path: Path) -> Iterator:
 
     def start_gateway(replicas: list[VllmStandIn]) -> GatewayProcess:
         endpoints = [arg for replica in replicas for arg in ("--endpoint", replica.url)]
+        # The replicas' key: a gateway with tenants refuses to start without one.
         gateway = GatewayProcess(tmp_path, {"tenants": tenants()}, "--engine", "vllm",
-                                 *endpoints)  # fmt: skip
+                                 *endpoints, api_key="sk-replica-test")  # fmt: skip
         started.append(gateway)
         gateway.wait_ready(60)  # the replicas' /health answered
         return gateway

@@ -139,24 +139,38 @@ def test_requests_per_minute() -> None:
     assert admit(limiter, tenant, now=30.0).ok
 
 
-def test_tokens_per_minute_counts_input_then_output() -> None:
+def test_tokens_per_minute_reserve_the_output_bound_and_refund_what_went_unused() -> None:
     limiter, tenant = TenantLimiter(), make_tenant(tokens_per_minute=600)
-    assert admit(limiter, tenant, input_tokens=400).ok
-    limiter.charge("acme", 150, now=0.0)  # the response's output, charged at its end
-    refused = admit(limiter, tenant, input_tokens=100)
+    first = admit(limiter, tenant, input_tokens=100, max_tokens=150, num_sequences=2)
+    assert first.ok and first.num_reserved_tokens == 400  # the input and n x max_tokens
+    refused = admit(limiter, tenant, input_tokens=50, max_tokens=200)  # 250 of 200 left
     assert refused.reason is RefusalReason.TOKENS_PER_MINUTE and refused.status_code == 429
     assert refused.retry_after_s == pytest.approx(5)  # 50 missing at 10 tokens/s
-    assert admit(limiter, tenant, now=5.0, input_tokens=100).ok
+    limiter.charge("acme", -200, now=0.0)  # it ended having used 200 of its 400
+    assert admit(limiter, tenant, input_tokens=50, max_tokens=200).ok
+    # Without max_tokens the tenant's cap bounds the output.
+    capped = make_tenant(tokens_per_minute=600, max_output_tokens=100)
+    assert admit(limiter, capped, input_tokens=10, max_tokens=None).num_reserved_tokens == 110
+
+
+def test_an_unbounded_output_is_charged_after_the_fact() -> None:
+    limiter, tenant = TenantLimiter(), make_tenant(tokens_per_minute=600)
+    assert admit(limiter, tenant, input_tokens=400, max_tokens=None).num_reserved_tokens == 400
+    limiter.charge("acme", 150, now=0.0)  # the response's output, charged at its end
+    refused = admit(limiter, tenant, input_tokens=100, max_tokens=None)
+    assert refused.reason is RefusalReason.TOKENS_PER_MINUTE and refused.status_code == 429
+    assert refused.retry_after_s == pytest.approx(5)  # 50 missing at 10 tokens/s
+    assert admit(limiter, tenant, now=5.0, input_tokens=100, max_tokens=None).ok
 
 
 def test_charges_correct_the_admission_estimate_both_ways() -> None:
     limiter, tenant = TenantLimiter(), make_tenant(tokens_per_minute=600)
-    assert admit(limiter, tenant, input_tokens=100).ok  # estimated from characters
+    assert admit(limiter, tenant, input_tokens=100, max_tokens=None).ok  # estimated
     limiter.charge("acme", -60, now=0.0)  # the replica counted 40
     limiter.charge("acme", -(10**6), now=0.0)  # a refund never fills past the capacity
-    assert admit(limiter, tenant, input_tokens=600).ok
+    assert admit(limiter, tenant, input_tokens=600, max_tokens=None).ok
     limiter.charge("acme", 300, now=0.0)  # more than estimated, plus the output
-    refused = admit(limiter, tenant, input_tokens=1)
+    refused = admit(limiter, tenant, input_tokens=1, max_tokens=None)
     assert refused.reason is RefusalReason.TOKENS_PER_MINUTE
 
 
@@ -165,13 +179,18 @@ def test_prompt_larger_than_the_quota_is_a_bad_request() -> None:
     refused = admit(limiter, tenant, input_tokens=101)
     assert refused.reason is RefusalReason.TOKENS_PER_MINUTE
     assert refused.status_code == 400 and refused.retry_after_s is None
+    # The input fits, its output's bound never could: lowering max_tokens would help.
+    refused = admit(limiter, tenant, input_tokens=50, max_tokens=30, num_sequences=2)
+    assert refused.status_code == 400 and refused.param == "max_tokens"
+    assert "up to 60 output tokens" in refused.message
 
 
 def test_a_refusal_takes_nothing() -> None:
     limiter, tenant = TenantLimiter(), make_tenant(requests_per_minute=2, tokens_per_minute=100)
-    assert admit(limiter, tenant, input_tokens=80).ok
-    assert admit(limiter, tenant, input_tokens=80).reason is RefusalReason.TOKENS_PER_MINUTE
-    assert admit(limiter, tenant, input_tokens=10).ok  # the refusal spent no request
+    assert admit(limiter, tenant, input_tokens=60, max_tokens=20).ok
+    refused = admit(limiter, tenant, input_tokens=60, max_tokens=20)
+    assert refused.reason is RefusalReason.TOKENS_PER_MINUTE
+    assert admit(limiter, tenant, input_tokens=10, max_tokens=5).ok  # it spent no request
     assert admit(limiter, tenant, input_tokens=1).reason is RefusalReason.REQUESTS_PER_MINUTE
     assert limiter.in_flight("acme") == 2
 
@@ -207,6 +226,8 @@ def test_token_size_limits() -> None:
     tenant = make_tenant(max_input_tokens=100, max_output_tokens=50)
     refused = admit(limiter, tenant, input_tokens=101)
     assert refused.reason is RefusalReason.INPUT_TOO_LONG and refused.status_code == 400
+    # An estimate (text) is left to the replica, which counts the tokens.
+    assert admit(limiter, tenant, input_tokens=101, check_max_input=False).ok
     refused = admit(limiter, tenant, max_tokens=51)
     assert refused.reason is RefusalReason.MAX_TOKENS_TOO_LARGE and refused.status_code == 400
     assert admit(limiter, tenant, max_tokens=None).max_tokens == 50  # the tenant's cap

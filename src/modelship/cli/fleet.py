@@ -70,13 +70,14 @@ def gateway(
         ),
     ] = None,
     engine: Annotated[
-        str,
+        str | None,
         typer.Option(
             envvar="MODELSHIP_GATEWAY_ENGINE",
-            help="The replicas' engine, ours or vllm: the health path, the priority order "
-            "and whether streams fail over (vLLM replicas: never) follow it.",
+            help="The replicas' engine, ours or vllm (default: deploy.serving.engine): the "
+            "health path, the priority order, the cache namespace field and whether streams "
+            "fail over (vLLM replicas: never) follow it.",
         ),
-    ] = "ours",
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
@@ -103,7 +104,7 @@ def gateway(
     if canary and not 0 <= weight <= 99:
         fail(f"--canary-weight must be 0..99 (percent), got {weight}", CONFIG_EXIT_CODE)
     try:
-        kind = EngineKind(engine)
+        kind = EngineKind(engine or config.deploy.serving.engine)
     except ValueError:
         fail(f"--engine must be ours or vllm, got {engine!r}", CONFIG_EXIT_CODE)
     pool = EndpointPool(config.gateway.resilience)
@@ -123,6 +124,14 @@ def gateway(
     # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
     # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
     upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key
+    if config.gateway.tenants and not upstream_key:
+        fail(
+            "gateway.tenants: the replicas need an API key to trust the gateway's per-tenant "
+            "settings (prefix-cache namespace, max_input_tokens); without one tenants would "
+            "share one prefix cache. Set serve.api_key (or MODELSHIP_API_KEY) here and on "
+            "the replicas",
+            CONFIG_EXIT_CODE,
+        )
     service = GatewayService(
         config.gateway,
         pool,

@@ -79,6 +79,12 @@ def config_problems(config: ModelshipConfig) -> list[str]:
             f"serve.engine.kv_cache_dtype: vLLM has no {kv_dtype} KV cache; use fp8 (or leave "
             "it unset for the model's dtype)"
         )
+    if config.gateway.tenants and not (serving.api_key_secret or config.serve.api_key):
+        # Replicas trust a tenant's cache namespace and input cap only with their key.
+        problems.append(
+            "gateway.tenants: the engines need an API key, or every tenant shares one prefix "
+            "cache; set serve.api_key (or deploy.serving.api_key_secret)"
+        )
     if serving.kind == "kserve" and config.gateway.tiers:
         problems.append(
             "gateway.tiers: rendered for deploy.serving.kind 'deployment' only (an engine "

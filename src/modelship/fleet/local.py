@@ -57,11 +57,10 @@ class LocalFleet:
         self.served_model_name = config.serve.served_model_name or slug
         self.log_dir = storage.model_dir(slug) / "fleet"
         self.pool = EndpointPool(config.gateway.resilience)
-        # Replicas trust a tenant's prefix-cache namespace only from holders of their key,
-        # so tenants need one: without serve.api_key the fleet makes one up (never stored).
-        self.replica_api_key = config.serve.api_key or (
-            secrets.token_urlsafe(32) if config.gateway.tenants else None
-        )
+        # Replicas trust the gateway's settings (a tenant's prefix-cache namespace and input
+        # cap, the failover's resume fields) only from holders of their key: without
+        # serve.api_key the fleet makes one up (never stored).
+        self.replica_api_key = config.serve.api_key or secrets.token_urlsafe(32)
         self.service = GatewayService(
             config.gateway,
             self.pool,

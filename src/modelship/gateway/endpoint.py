@@ -152,9 +152,11 @@ class OutputLengthEstimator:
         return average if max_tokens is None else min(max_tokens, average)
 
 
-def estimate_num_tokens(text: str, chars_per_token: float = 4.0) -> int:
-    """A tokenizer-free estimate, good enough for pricing and limits at the gateway."""
-    return math.ceil(len(text) / chars_per_token)
+def estimate_num_tokens(text: str, bytes_per_token: float = 4.0) -> int:
+    """A tokenizer-free estimate for routing and admission at the gateway, from the UTF-8
+    bytes: a CJK character or an emoji (3 or 4 bytes) is often a token or more, which a
+    count of characters missed by 4x or more. Limits on the exact count are the replica's."""
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / bytes_per_token)
 
 
 def chat_prefix_text(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -10,7 +10,8 @@ The two speak the same OpenAI API but differ where the gateway reaches past it:
 - mid-stream failover: resuming a stream on another replica sends `resume_token_ids`,
   which only ours reads (vLLM would ignore it and generate the answer again from the
   start), so no stream is failed over to, or from, a pool holding a vLLM replica.
-- the cache-salt header is ours too; vLLM ignores it.
+- the tenant's prefix-cache namespace: ours reads the cache-salt header (with the replica
+  key), vLLM its own `cache_salt` body field, which the gateway sets (over a client's).
 
 The kind is per endpoint: `modelship up` runs ours; `modelship gateway` is told with
 `--engine` (the rendered manifests and the chart set it from `deploy.serving.engine`).
@@ -49,14 +50,18 @@ class UpstreamBodies:
     """The body each engine kind is sent for one request, encoded once per kind (the
     client's bytes are not re-encoded: `ParsedRequest.encode` appends what changed)."""
 
-    def __init__(self, parsed: ParsedRequest, priority: Priority) -> None:
+    def __init__(self, parsed: ParsedRequest, priority: Priority, cache_salt: str) -> None:
         self.parsed = parsed
         self.priority = priority
+        self.cache_salt = cache_salt
         self._bodies: dict[EngineKind, bytes] = {}
 
     def of(self, engine: EngineKind) -> bytes:
         body = self._bodies.get(engine)
         if body is None:
-            body = self.parsed.encode(priority=engine.priority(self.priority))
+            extra: dict[str, object] = {"priority": engine.priority(self.priority)}
+            if engine is EngineKind.VLLM:
+                extra["cache_salt"] = self.cache_salt
+            body = self.parsed.encode(**extra)
             self._bodies[engine] = body
         return body

@@ -17,6 +17,11 @@ from modelship.gateway.admission import retry_after_header
 from modelship.gateway.config import RequestLimitsConfig
 from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
 
+# Body fields only the gateway's mid-stream failover sets (`failover.py`): from a client,
+# `resume_token_ids` would be arbitrary token ids (special ones included) taken as output
+# already generated, outside the tenant's input and output caps.
+FAILOVER_FIELDS = ("resume_token_ids", "return_token_ids")
+
 
 @dataclass
 class GatewayError(Exception):
@@ -65,10 +70,11 @@ class ParsedRequest:
     model: str
     stream: bool
     max_tokens: int | None
-    input_tokens: int  # exact for token ids; for text estimated from its characters
+    input_tokens: int  # exact for token ids; for text estimated from its UTF-8 bytes
     prefix_text: str
     user: str | None
     session_id: str | None
+    input_is_exact: bool = False  # a prompt of token ids: `input_tokens` is their count
     # Sequences the replica will run at once: `n` per prompt (a completion may list several
     # prompts). Each holds an admission and a tenant concurrency slot, and is priced.
     num_sequences: int = 1
@@ -129,6 +135,10 @@ def parse_request(
         raise GatewayError(400, "We could not parse the JSON body of your request.") from None
     if not isinstance(body, dict):
         raise GatewayError(400, "The request body must be a JSON object.")
+    for name in FAILOVER_FIELDS:
+        if name in body:
+            raise GatewayError(400, f"{name}: set only by the gateway's failover, never by a "
+                               "client", param=name, code="unsupported_parameter")  # fmt: skip
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GatewayError(400, "model: a model name is required.")
@@ -137,7 +147,7 @@ def parse_request(
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages: a list of message objects is required.")
         prefix_text = chat_prefix_text(messages)
-        prompt = Prompt(prefix_text, estimate_num_tokens(prefix_text), num_prompts=1)
+        prompt = Prompt(prefix_text, estimate_num_tokens(prefix_text), 1, is_exact=False)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         prompt = read_prompt(body.get("prompt"))
@@ -162,6 +172,7 @@ def parse_request(
         stream=bool(stream),
         max_tokens=max_tokens,
         input_tokens=prompt.num_tokens,
+        input_is_exact=prompt.is_exact,
         prefix_text=prompt.prefix_text,
         user=user if isinstance(user, str) else None,
         session_id=session_id,
@@ -196,6 +207,7 @@ class Prompt:
     prefix_text: str
     num_tokens: int
     num_prompts: int
+    is_exact: bool  # token ids, counted
 
 
 def read_prompt(prompt: object) -> Prompt:
@@ -203,16 +215,17 @@ def read_prompt(prompt: object) -> Prompt:
     forms the OpenAI API takes); anything else is a 400. Token ids render as
     `"id,id,...,"`, so a prompt extending another one renders as an extension of it."""
     if isinstance(prompt, str):
-        return Prompt(prompt, estimate_num_tokens(prompt), 1)
+        return Prompt(prompt, estimate_num_tokens(prompt), 1, is_exact=False)
     if isinstance(prompt, list) and prompt:
         if all(_is_int(t) for t in prompt):
-            return Prompt(_token_text(prompt), len(prompt), 1)
+            return Prompt(_token_text(prompt), len(prompt), 1, is_exact=True)
         if all(isinstance(p, str) for p in prompt):
             text = "".join(prompt)
-            return Prompt(text, sum(estimate_num_tokens(p) for p in prompt), len(prompt))
+            num_tokens = sum(estimate_num_tokens(p) for p in prompt)
+            return Prompt(text, num_tokens, len(prompt), is_exact=False)
         if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
             text = "".join(_token_text(p) for p in prompt)
-            return Prompt(text, sum(len(p) for p in prompt), len(prompt))
+            return Prompt(text, sum(len(p) for p in prompt), len(prompt), is_exact=True)
     raise GatewayError(
         400,
         "prompt: a string, a list of strings, a list of token ids or a list of token id "

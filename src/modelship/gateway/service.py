@@ -57,6 +57,7 @@ from modelship.gateway.resilience import BreakerState, Failure, FailureKind, Ret
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import (
     CACHE_SALT_HEADER,
+    MAX_INPUT_TOKENS_HEADER,
     Tenant,
     TenantConfig,
     TenantLimiter,
@@ -145,6 +146,7 @@ class GatewayService:
         self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
+        self.has_replica_key = bool(upstream_api_key)
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
         # variant -> price per 1k tokens (`modelship up` adds those derived from select's
         # measurements); the ledger is the usage file on storage `modelship usage` reads.
@@ -178,6 +180,14 @@ class GatewayService:
         if self.client is not None:
             await self.client.aclose()
         self.tracing.shutdown()
+
+    @property
+    def replicas_trust_gateway(self) -> bool:
+        """Our replicas take the gateway's settings (cache namespace, input cap, failover's
+        fields) only with their key (server/gateway_hints.py): without one, or behind vLLM
+        (which reads none of them), the gateway checks `max_input_tokens` on its estimate
+        and streams never fail over."""
+        return self.has_replica_key and self.pool.can_resume()
 
     @property
     def num_held(self) -> int:
@@ -337,9 +347,10 @@ class GatewayService:
 
     def _admit(self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span) -> _Hold:
         now = time.monotonic()
-        limit = self.limiter.admit(
-            tenant, parsed.model, parsed.input_tokens, parsed.max_tokens, now, parsed.num_sequences
-        )
+        # A text's token count is the replica's to check (exactly) when it trusts us.
+        check_max_input = parsed.input_is_exact or not self.replicas_trust_gateway
+        limit = self.limiter.admit(tenant, parsed.model, parsed.input_tokens, parsed.max_tokens,
+                                   now, parsed.num_sequences, check_max_input)  # fmt: skip
         if not limit.ok:
             reason = str(limit.reason)
             self.metrics.rejections.labels(tenant.name, reason).inc()
@@ -349,9 +360,11 @@ class GatewayService:
                 _REFUSAL_TYPES.get(limit.status_code, "invalid_request_error"),
                 reason,
                 limit.retry_after_s if limit.status_code == 429 else None,
+                limit.param,
             )
         admitted = self.admission.try_admit(tenant.priority, parsed.num_sequences)
         if not admitted.ok:
+            self.limiter.charge(tenant.name, -limit.num_reserved_tokens, now)
             self.limiter.release(tenant.name, parsed.num_sequences)
             self.metrics.rejections.labels(tenant.name, admitted.reason or "queue_full").inc()
             if admitted.status_code == 400:
@@ -361,8 +374,9 @@ class GatewayService:
             parsed.set("max_tokens", limit.max_tokens)
             parsed.max_tokens = limit.max_tokens
         parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
-        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens, time.perf_counter(),
-                     request_id, parsed.model or "default", span)  # fmt: skip
+        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens,
+                     limit.num_reserved_tokens, time.perf_counter(), request_id,
+                     parsed.model or "default", span)  # fmt: skip
 
     def _requested_tier(self, request: Request) -> str | None:
         """The tier the client named (`x-modelship-tier`), checked; None: not named."""
@@ -471,17 +485,20 @@ class GatewayService:
         failover = (
             parsed.stream
             and resilience.max_failovers > 0
-            and self.pool.can_resume()  # no vLLM replica: it cannot resume a stream
+            and self.replicas_trust_gateway  # ours, with their key: they take the fields
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
-        bodies = UpstreamBodies(parsed, tenant.priority)  # `priority` as each engine reads it
+        # `priority` as each engine reads it; vLLM's `cache_salt` field (wins over a client's)
+        bodies = UpstreamBodies(parsed, tenant.priority, tenant.cache_salt)
         headers = {
             **self.upstream_headers,
             "x-request-id": request_id,
             CACHE_SALT_HEADER: tenant.cache_salt,  # equal prefixes are shared within it only
         }
+        if tenant.config.max_input_tokens is not None:  # checked on the replica's own count
+            headers[MAX_INPUT_TOKENS_HEADER] = str(tenant.config.max_input_tokens)
         deadline = asyncio.get_running_loop().time() + resilience.request_timeout_s
         attempt: Attempt | None = None
         num_attempts = num_candidates = 0
@@ -745,7 +762,8 @@ class _Hold:
     service: GatewayService
     tenant: Tenant
     num_sequences: int
-    input_tokens: int  # the estimate taken from the tenant's bucket at admission
+    input_tokens: int  # as estimated at admission
+    num_reserved_tokens: int  # taken from the tenant's bucket at admission
     started_at: float
     request_id: str = ""
     model: str = "default"
@@ -764,12 +782,16 @@ class _Hold:
         if self.ended:
             return
         self.ended = True
+        abandoned = usage is None and self.num_output_if_abandoned > 0
         if usage is None:
             usage = Usage(self.input_tokens, self.num_output_if_abandoned)
+        num_used = usage.prompt_tokens + usage.completion_tokens
+        if abandoned:  # mid-generation: it may have used all the reservation allowed
+            num_used = max(num_used, self.num_reserved_tokens)
         service, name = self.service, self.tenant.name
-        # The input was estimated at admission: charge (or refund) the difference.
-        extra = usage.prompt_tokens - self.input_tokens + usage.completion_tokens
-        service.limiter.charge(name, extra, time.monotonic())
+        # The reservation covered the input's estimate and the output's bound: refund what
+        # went unused (or charge an underestimated input, or an unbounded output).
+        service.limiter.charge(name, num_used - self.num_reserved_tokens, time.monotonic())
         service.limiter.release(name, self.num_sequences)
         service.admission.release(self.tenant.priority, self.num_sequences)
         metrics = service.metrics

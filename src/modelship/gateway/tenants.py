@@ -2,10 +2,20 @@
 
 Keys are configured and compared as sha256 hex digests: the gateway never holds, logs or
 returns a key. Limits are token buckets over a minute (requests, and tokens counting
-input and output) plus a cap on concurrent requests. At admission the input is an
-estimate and the output unknown, so when the request finishes the tenant is charged the
-rest from the replica's count (or refunded an overestimate); the bucket may go into debt,
-and the tenant's next request waits for it to refill.
+input and output) plus a cap on concurrent requests. The buckets live in one gateway
+process: N gateways in front of the same replicas admit up to N times each budget.
+
+Tokens per minute are reserved at admission: the input (an estimate from the prompt's
+UTF-8 bytes, which errs high, or the exact count of token ids) plus what the output may
+reach, `n x max_tokens` (the request's, else the tenant's `max_output_tokens`). A request
+whose reservation does not fit waits (429 with Retry-After); one that could never fit is a
+400. When it finishes the unused part is refunded from the replica's count. Only a
+request with no output bound at all (neither) is charged its output after the fact, which
+may take the bucket into debt; the tenant's next request then waits for it to refill.
+
+`max_input_tokens` is checked here only on an exact count (token-id prompts): a text's
+count is known only to the replica's tokenizer, so the gateway sends the cap along
+(`MAX_INPUT_TOKENS_HEADER`) and the replica refuses with the same 400.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 # Carries a tenant's `cache_salt` to the replicas (they trust it only with their API key).
 CACHE_SALT_HEADER = "x-modelship-cache-salt"
+# Carries a tenant's `max_input_tokens` to the replicas, which check it on the real count
+# (trusted only with their API key, like the salt).
+MAX_INPUT_TOKENS_HEADER = "x-modelship-max-input-tokens"
 
 
 class Priority(IntEnum):
@@ -237,6 +250,9 @@ class LimitDecision:
     retry_after_s: float | None = None
     max_tokens: int | None = None
     message: str = ""
+    param: str | None = None  # the field at fault
+    # Taken from the tokens-per-minute bucket: the input plus the output's bound.
+    num_reserved_tokens: int = 0
 
 
 @dataclass
@@ -271,11 +287,19 @@ class TenantLimiter:
         max_tokens: int | None,
         now: float,
         num_sequences: int = 1,
+        check_max_input: bool = True,
     ) -> LimitDecision:
+        """`check_max_input` False: `input_tokens` is an estimate and the replica checks
+        `max_input_tokens` on the real count."""
         config = tenant.config
-        refused = self._check_request(tenant, model, input_tokens, max_tokens, num_sequences)
+        refused = self._check_request(
+            tenant, model, input_tokens if check_max_input else None, max_tokens, num_sequences
+        )
         if refused is not None:
             return refused
+        cap = max_tokens if max_tokens is not None else config.max_output_tokens
+        num_output = num_sequences * cap if cap is not None else 0
+        reserved = input_tokens + num_output
         usage = self._usage_of(tenant, now)
         if (
             config.max_concurrent is not None
@@ -295,15 +319,9 @@ class TenantLimiter:
                     f"at most {config.requests_per_minute} requests per minute",
                 )
         if usage.tokens is not None:
-            wait = usage.tokens.retry_after_s(input_tokens, now)
+            wait = usage.tokens.retry_after_s(reserved, now)
             if math.isinf(wait):
-                return LimitDecision(
-                    ok=False,
-                    reason=RefusalReason.TOKENS_PER_MINUTE,
-                    status_code=400,
-                    message=f"the prompt's {input_tokens} tokens exceed the quota of "
-                    f"{config.tokens_per_minute} tokens per minute",
-                )
+                return _never_fits(config, input_tokens, num_output)
             if wait > 0:
                 return _too_many(
                     RefusalReason.TOKENS_PER_MINUTE,
@@ -314,14 +332,13 @@ class TenantLimiter:
         if usage.requests is not None:
             usage.requests.try_take(1, now)
         if usage.tokens is not None:
-            usage.tokens.try_take(input_tokens, now)
+            usage.tokens.try_take(reserved, now)
         usage.in_flight += num_sequences
-        cap = max_tokens if max_tokens is not None else config.max_output_tokens
-        return LimitDecision(ok=True, max_tokens=cap)
+        return LimitDecision(ok=True, max_tokens=cap, num_reserved_tokens=reserved)
 
     def charge(self, tenant_name: str, num_tokens: int, now: float) -> None:
-        """Debit tokens already used (may leave the tenant in debt); a negative count
-        refunds what admission overestimated."""
+        """Debit tokens used past the reservation (may leave the tenant in debt); a
+        negative count refunds the part of the reservation a request did not use."""
         usage = self._usage.get(tenant_name)
         if usage is not None and usage.tokens is not None and num_tokens != 0:
             usage.tokens.debit(num_tokens, now)
@@ -347,11 +364,11 @@ class TenantLimiter:
     def _check_request(
         tenant: Tenant,
         model: str,
-        input_tokens: int,
+        input_tokens: int | None,
         max_tokens: int | None,
         num_sequences: int,
     ) -> LimitDecision | None:
-        """The limits that no waiting can fix."""
+        """The limits that no waiting can fix (`input_tokens` None: left to the replica)."""
         config = tenant.config
         if config.max_concurrent is not None and num_sequences > config.max_concurrent:
             return LimitDecision(
@@ -368,7 +385,11 @@ class TenantLimiter:
                 status_code=403,
                 message=f"this key may not use model {model!r}",
             )
-        if config.max_input_tokens is not None and input_tokens > config.max_input_tokens:
+        if (
+            config.max_input_tokens is not None
+            and input_tokens is not None
+            and input_tokens > config.max_input_tokens
+        ):
             return LimitDecision(
                 ok=False,
                 reason=RefusalReason.INPUT_TOO_LONG,
@@ -389,6 +410,19 @@ class TenantLimiter:
 
 def _per_minute(limit: int | None, now: float) -> TokenBucket | None:
     return None if limit is None else TokenBucket.per_minute(limit, now)
+
+
+def _never_fits(config: TenantConfig, input_tokens: int, num_output: int) -> LimitDecision:
+    """The 400 for a reservation over the whole quota: waiting would never help."""
+    quota = f"the quota of {config.tokens_per_minute} tokens per minute"
+    if input_tokens > (config.tokens_per_minute or 0):
+        message, param = f"the prompt's {input_tokens} tokens exceed {quota}", None
+    else:
+        message = (f"the prompt's {input_tokens} tokens and up to {num_output} output tokens "
+                   f"(n x max_tokens) exceed {quota}; lower max_tokens")  # fmt: skip
+        param = "max_tokens"
+    return LimitDecision(ok=False, reason=RefusalReason.TOKENS_PER_MINUTE, status_code=400,
+                         message=message, param=param)  # fmt: skip
 
 
 def _too_many(reason: RefusalReason, retry_after_s: float, message: str) -> LimitDecision:

@@ -27,6 +27,7 @@ from modelship.server.errors import (
     RouteError,
     UnavailableError,
 )
+from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
 from modelship.server.serving import OpenAIServing, sse
@@ -34,9 +35,6 @@ from modelship.server.tracing import TracingMiddleware
 from modelship.tracing import Tracing
 
 logger = logging.getLogger(__name__)
-
-# The prefix-cache namespace of the request's tenant, set by the gateway (an opaque string).
-CACHE_SALT_HEADER = "x-modelship-cache-salt"
 
 
 @dataclass
@@ -107,11 +105,11 @@ def create_app(
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise AuthenticationError("Incorrect or missing API key.")
 
-    def cache_salt(request: Request) -> str | None:
-        """The request's prefix-cache namespace. Trusted only from holders of the API key
-        (the routes checked it): with no key anyone could name another tenant's namespace
-        and time its prompts, so every request shares the one unsalted namespace."""
-        return request.headers.get(CACHE_SALT_HEADER) if api_key is not None else None
+    def hints(request: Request) -> GatewayHints:
+        """The gateway's settings for the request (cache namespace, input cap, failover
+        fields), trusted only from holders of the API key (the routes checked it): with no
+        key, every request shares the one unsalted namespace and none may resume."""
+        return GatewayHints.from_headers(request.headers, has_api_key=api_key is not None)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -200,11 +198,11 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticate)])
     async def chat(body: p.ChatCompletionRequest, request: Request):
-        return await _respond(request, create_chat_completion(serving, body, cache_salt(request)))
+        return await _respond(request, create_chat_completion(serving, body, hints(request)))
 
     @app.post("/v1/completions", dependencies=[Depends(authenticate)])
     async def completions(body: p.CompletionRequest, request: Request):
-        return await _respond(request, create_completion(serving, body, cache_salt(request)))
+        return await _respond(request, create_completion(serving, body, hints(request)))
 
     return app
 

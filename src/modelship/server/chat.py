@@ -7,16 +7,20 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from modelship.server import protocol as p
+from modelship.server.gateway_hints import GatewayHints
 from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 
 
 async def create_chat_completion(
-    serving: OpenAIServing, request: p.ChatCompletionRequest, cache_salt: str | None = None
+    serving: OpenAIServing, request: p.ChatCompletionRequest, hints: GatewayHints
 ) -> p.ChatCompletionResponse | AsyncIterator[str]:
     """Validate everything before the engine sees the request; errors raise `APIError`."""
     serving.check_request(request)
+    hints.check_fields(request)
     lora = serving.adapter_of(request)
     prompt = await serving.chat_prompt(request)
+    hints.check_input(len(prompt))
+    cache_salt = hints.cache_salt
     resumed = serving.resumed_token_ids(request)
     params = serving.sampling_params(request, len(prompt), len(resumed))
     request_id = p.random_id("chatcmpl")

@@ -9,15 +9,19 @@ from contextlib import aclosing
 
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
+from modelship.server.gateway_hints import GatewayHints
 from modelship.server.serving import SSE_DONE, OpenAIServing, sse
 
 
 async def create_completion(
-    serving: OpenAIServing, request: p.CompletionRequest, cache_salt: str | None = None
+    serving: OpenAIServing, request: p.CompletionRequest, hints: GatewayHints
 ) -> p.CompletionResponse | AsyncIterator[str]:
     serving.check_request(request)
+    hints.check_fields(request)
     lora = serving.adapter_of(request)
     prompts = await serving.completion_prompts(request)
+    hints.check_input(sum(len(prompt) for prompt in prompts))  # as the gateway counts them
+    cache_salt = hints.cache_salt
     resumed = serving.resumed_token_ids(request)
     params = [serving.sampling_params(request, len(prompt), len(resumed)) for prompt in prompts]
     request_id = p.random_id("cmpl")

@@ -136,14 +136,23 @@ class OpenAIServing:
 
     # Requests -> engine ----------------------------------------------------------------------
     async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+        from jinja2 import TemplateError  # as the tokenizer imports it: on the first chat
+
         if not request.messages:
             raise BadRequestError("messages must contain at least one message", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError("this model has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+            )
+        except TemplateError as exc:
+            # The template's `raise_exception` (Llama-2's and Mistral's on roles that do not
+            # alternate) refuses the messages: the client's input, not a replica fault (a 500
+            # would count against the replica at the gateway, and be retried).
+            raise BadRequestError(f"messages: the model's chat template refused them: {exc}",
+                                  "messages") from exc  # fmt: skip
         return (await self.encode([text], add_special_tokens=False))[0]
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
@@ -292,6 +301,12 @@ class OpenAIServing:
             raise BadRequestError(str(exc), exc.param) from exc
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
+        except KeyError as exc:  # the engine's word for an adapter it does not hold
+            if lora is None:
+                raise
+            # Unloaded between `check_request` and here: as if it had never been served.
+            raise ModelNotFoundError(f"The model `{lora}` does not exist (its LoRA adapter was "
+                                     "unloaded).", "model") from exc  # fmt: skip
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
         self.metrics.prompt_tokens.inc(len(prompt))

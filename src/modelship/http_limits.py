@@ -25,10 +25,8 @@ def uvicorn_http_options(use_httptools: bool | None = None) -> dict[str, Any]:
     own limit."""
     if use_httptools is None:
         use_httptools = _can_import("httptools")
-    if use_httptools:
-        from modelship.httptools_limited import HeadLimitedHttpToolsProtocol
-
-        return {"http": HeadLimitedHttpToolsProtocol}
+    if use_httptools:  # by name: uvicorn imports it (it imports httptools)
+        return {"http": "modelship.httptools_limited:HeadLimitedHttpToolsProtocol"}
     return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
 
 

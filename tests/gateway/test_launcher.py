@@ -18,7 +18,9 @@ def test_runs_on_uvloop_and_httptools_when_installed():
 
     config = server_config(Starlette(), "127.0.0.1", 0)
     assert config.loop == "uvloop"
-    assert issubclass(config.http, HttpToolsProtocol)  # with the head cap (http_limits)
+    config.load()
+    assert issubclass(config.http_protocol_class, HttpToolsProtocol)  # with the head cap
+    assert config.http_protocol_class is not HttpToolsProtocol
 
 
 @pytest.mark.parametrize("missing", ["uvloop", "httptools"])

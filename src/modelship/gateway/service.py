@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +69,7 @@ from modelship.gateway.tiers import (
     choose_tier,
 )
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
+from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, end_span, extract, inject
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class GatewayService:
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
         tenant_name = "unknown"
         span = self.tracing.start_span(
             "gateway request",

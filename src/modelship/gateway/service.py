@@ -449,6 +449,7 @@ class GatewayService:
             and resilience.max_failovers > 0
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
+        pass_token_ids = parsed.body.get("return_token_ids") is True  # the client's own ask
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
         content = parsed.encode()
@@ -498,7 +499,7 @@ class GatewayService:
                     self._resume, path, parsed, headers, track, tier, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
-                                resume)  # fmt: skip
+                                resume, pass_token_ids)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
@@ -583,6 +584,7 @@ class GatewayService:
         deadline: float,
         usage: StreamUsage,
         resume: Resume | None = None,
+        pass_token_ids: bool = True,
     ) -> StreamingResponse:
         first = attempt  # its first byte and first token came from this replica
 
@@ -608,7 +610,8 @@ class GatewayService:
             hold.end(how.status_code, first.ttft_s, used)
 
         headers = _response_headers(attempt, request_id)
-        return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
+        events = pump(attempt, deadline, usage, on_end, resume, pass_token_ids)
+        return StreamingResponse(events, headers=headers)
 
     async def _resume(
         self,

@@ -7,13 +7,16 @@ extremes no generator aims at (NaN, infinite and negative temperatures, max_toke
 logprobs, top_k and seeds beyond int64, token ids out of the vocabulary, lone surrogates,
 megabyte strings, truncated, non-UTF-8 and deeply nested JSON, duplicated keys, unknown
 paths and methods); and misbehaving sockets: slow-loris headers and bodies, clients that
-never read their stream, clients that hang up mid-stream.
+never read their stream, clients that hang up mid-stream, a request head that never ends,
+4 million token ids in one prompt, `x-request-id` values that are not ASCII or too long.
 
 Pass rules: no 5xx and no error event inside a 200 stream; every 4xx an OpenAI error body;
 every request answered within its timeout; the processes alive and answering afterwards;
 slow clients hold up nobody; clients that never read grow the server by at most
 `fuzz_sockets.RSS_BOUND_MIB`; after the hang-ups nothing runs and every KV block is free
-(the raw-socket half lives in `fuzz_sockets.py`).
+(the raw-socket half lives in `fuzz_sockets.py`); a head past 64 KiB is a 431 while it
+streams in; 4 million token ids are a 400 naming `prompt` while /ready answers within
+`fuzz_sockets.PROBE_S`; odd request ids are answered 200 on one keep-alive connection.
 
 The gateway is a Starlette app with no OpenAPI schema of its own: it proxies the replica's
 two POST routes and serves the same GET routes, so it is fuzzed with the replica's schema
@@ -31,7 +34,15 @@ from dataclasses import dataclass, field
 import httpx
 
 from drill.common import DrillContext, DrillResult, is_openai_error
-from drill.fuzz_sockets import answers, disconnects, silent_readers, slow_clients
+from drill.fuzz_sockets import (
+    answers,
+    disconnects,
+    head_flood,
+    odd_request_ids,
+    silent_readers,
+    slow_clients,
+    token_id_flood,
+)
 
 MODEL = "tiny"  # the served model name (replica and gateway)
 KEY = "sk-fuzz-drill"
@@ -129,6 +140,9 @@ def run(context: DrillContext) -> DrillResult:
             slow_clients(result, server.url, MODEL, budget.num_slow_clients, budget.slow_s)
             silent_readers(result, server.url, server.pid, MODEL, budget.num_silent_readers)
             disconnects(result, "replica", server.url, server.url, MODEL, budget.num_disconnects)
+            head_flood(result, "replica", server.url, "/health")
+            token_id_flood(result, "replica", server.url, MODEL)
+            odd_request_ids(result, "replica", server.url, MODEL)
             _check_answers(result, "replica", server.url, {})
     finally:
         server.stop()
@@ -317,6 +331,9 @@ def fuzz_gateway(result: DrillResult, context: DrillContext, spec: dict, budget:
         if healthy:
             count = budget.gateway_disconnects
             disconnects(result, "gateway", up.url, replica_url, MODEL, count, headers)
+            head_flood(result, "gateway", up.url, "/v1/models")
+            token_id_flood(result, "gateway", up.url, MODEL, headers)
+            odd_request_ids(result, "gateway", up.url, MODEL, headers)
             _check_answers(result, "gateway", up.url, headers)
     finally:
         up.stop()

@@ -4,6 +4,7 @@ behind on the replica (answers for everyone else, bounded memory, free KV blocks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -14,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
-from drill.common import DrillResult, metric, wait_until
+from drill.common import DrillResult, is_openai_error, metric, wait_until
 
 TIMEOUT_S = 60.0  # any one request
 RSS_BOUND_MIB = 64  # growth of the replica while clients never read their streams
+PROBE_S = 2.5  # the slowest /ready allowed during a token-id flood (it stalled 5 s and more)
 
 
 def answers(url: str, model: str, headers: dict[str, str] | None = None) -> bool:
@@ -193,12 +195,18 @@ def _kv_free(url: str) -> bool:
     return metric(url, "modelship:kv_cache_usage_perc") == 0
 
 
-def _http_post(path: str, body: dict, headers: dict[str, str] | None = None) -> bytes:
+def _http_post(
+    path: str, body: dict, headers: dict[str, str] | None = None, request_id: bytes | None = None
+) -> bytes:
+    """The raw request; `request_id` as sent, whatever bytes it holds."""
     raw = _json(body)
     lines = [f"POST {path} HTTP/1.1", "Host: fuzz", "Content-Type: application/json",
              f"Content-Length: {len(raw)}"]  # fmt: skip
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + raw
+    head = "\r\n".join(lines).encode() + b"\r\n"
+    if request_id is not None:
+        head += b"X-Request-Id: " + request_id + b"\r\n"
+    return head + b"\r\n" + raw
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -218,3 +226,118 @@ def _quietly(work: Callable[[int], bool | str]) -> Callable[[int], bool | str]:
 
 def _json(body: dict) -> bytes:
     return json.dumps(body).encode()
+
+
+def head_flood(result: DrillResult, name: str, url: str, path: str) -> None:
+    """A request head that never ends (4 MiB of one header, no Authorization): refused
+    with a 431 and an OpenAI error body while it streams in, and the server answers on."""
+    host, port = _address(url)
+    answer = b""
+    try:
+        with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: fuzz\r\nX-Flood: ".encode())
+            with contextlib.suppress(OSError):  # closed once it answered
+                for _ in range(64):
+                    sock.sendall(b"a" * 2**16)
+            while chunk := sock.recv(65536):
+                answer += chunk
+    except OSError as exc:
+        answer += f" ({type(exc).__name__}: {exc})".encode()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    is_openai = is_openai_error(httpx.Response(431, content=body))
+    refused = head.startswith(b"HTTP/1.1 431") and is_openai
+    answered = answers_health(url)
+    result.check(
+        f"{name}: a request head past 64 KiB is a 431 while it streams in",
+        refused and answered,
+        f"answer {answer[:200]!r}, answering after: {answered}",
+    )
+
+
+def odd_request_ids(
+    result: DrillResult, name: str, url: str, model: str, headers: dict[str, str] | None = None
+) -> None:
+    """Requests on one keep-alive connection whose `x-request-id` is not ASCII, too long or
+    holds a space: each answered 200 under an id of the server's, the connection kept."""
+    host, port = _address(url)
+    body = {"model": model, "prompt": "id", "max_tokens": 2}
+    odd = ["\u00e9t\u00e9".encode(), b"a" * 129, b"a b", b"\xff"]
+    answers_seen = []
+    try:
+        with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
+            reader = sock.makefile("rb")
+            for request_id in odd:
+                sock.sendall(_http_post("/v1/completions", body, headers, request_id))
+                answers_seen.append(_read_response(reader))
+    except OSError as exc:
+        answers_seen.append(f"{type(exc).__name__}: {exc}")
+    ok = len(answers_seen) == len(odd) and all(a == 200 for a in answers_seen)
+    result.check(f"{name}: odd x-request-id values answered 200 on one connection", ok,
+                 f"answers {answers_seen}")  # fmt: skip
+
+
+def token_id_flood(
+    result: DrillResult, name: str, url: str, model: str, headers: dict[str, str] | None = None
+) -> None:
+    """A completion of 4 million token ids (7.6 MiB): a 400 naming `prompt`, while the
+    replica's /ready (or the gateway's) keeps answering within `PROBE_S`."""
+    ids = ",".join(["0"] * 4_000_000)
+    body = f'{{"model": "{model}", "max_tokens": 1, "prompt": [{ids}]}}'.encode()
+    slowest = [0.0]
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"{url}/ready", timeout=TIMEOUT_S)
+            slowest[0] = max(slowest[0], time.monotonic() - started)
+            done.wait(0.05)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        headers = {"content-type": "application/json", **(headers or {})}
+        response = httpx.post(
+            f"{url}/v1/completions", content=body, headers=headers, timeout=TIMEOUT_S
+        )
+        status, error = response.status_code, response.json().get("error") or {}
+    except (httpx.HTTPError, ValueError) as exc:
+        status, error = 0, {"message": f"{type(exc).__name__}: {exc}"}
+    finally:
+        done.set()
+        prober.join()
+    result.figures[f"{name}_token_flood_slowest_ready_s"] = round(slowest[0], 2)
+    result.check(
+        f"{name}: 4 million token ids are a 400 naming prompt, /ready answered meanwhile",
+        status == 400 and error.get("param") == "prompt" and slowest[0] <= PROBE_S,
+        f"status {status}, error {str(error)[:200]}, slowest /ready {slowest[0]:.2f}s "
+        f"(bound {PROBE_S}s)",
+    )
+
+
+def answers_health(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _read_response(reader) -> int | str:
+    """The status of one HTTP/1.1 response read off `reader` (its body skipped)."""
+    status_line = reader.readline()
+    if not status_line:
+        return "connection closed"
+    length, chunked = 0, False
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+        chunked |= name.lower() == "transfer-encoding" and "chunked" in value
+    if chunked:
+        while (size := int(reader.readline().split(b";")[0], 16)) > 0:
+            reader.read(size + 2)
+        reader.readline()
+    else:
+        reader.read(length)
+    return int(status_line.split()[1])

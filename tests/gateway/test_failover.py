@@ -4,10 +4,12 @@ greedy run; with no replica left to resume it, the stream ends with an error eve
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -121,6 +123,21 @@ def test_completion_stream_survives_a_killed_replica(fleet: UpProcess):
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     assert complete(seed=KILL_SEED) == complete()
+
+
+def test_token_ids_reach_only_clients_that_asked_for_them(fleet: UpProcess):
+    """The gateway asks every failover-eligible stream's replica for its token ids (to
+    resume it elsewhere); they went on to every client, asked for or not."""
+    _wait_two_ready(fleet)
+    for asked in (False, True):
+        body = {"model": SLUG, "prompt": "Paged attention", "max_tokens": 4, "stream": True,
+                **({"return_token_ids": True} if asked else {})}  # fmt: skip
+        with httpx.stream("POST", f"{fleet.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]  # fmt: skip
+        carried = [("token_ids" in c) for e in events for c in e["choices"]]
+        assert carried and all(has == asked for has in carried), (asked, events)
 
 
 def test_stream_ends_with_an_error_event_when_no_replica_can_resume(fleet: UpProcess):

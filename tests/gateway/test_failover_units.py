@@ -25,6 +25,19 @@ def test_progress_keeps_token_ids_and_one_chunk_id_across_a_resume():
     assert progress.token_ids == [1, 2, 3, 4] and progress.is_finished
 
 
+def test_token_ids_the_gateway_asked_for_are_taken_out_of_the_clients_events():
+    """Every failover-eligible stream carried them to clients that never asked."""
+    progress = StreamProgress(pass_token_ids=False)
+    passed = progress.read(_event("cmpl-a", [1, 2]) + b"data: [DONE]\n\n")
+    first, done = passed.split(b"\n\n", 1)
+    assert json.loads(first[6:])["choices"] == [{"index": 0, "text": "x", "finish_reason": None}]
+    assert done == b"data: [DONE]\n\n"
+    progress.resume()
+    resumed = json.loads(progress.read(_event("cmpl-b", [3], "length"))[6:])
+    assert resumed["id"] == "cmpl-a" and "token_ids" not in resumed["choices"][0]
+    assert progress.token_ids == [1, 2, 3]  # still read for the next resume
+
+
 def test_the_replica_body_is_the_clients_bytes_plus_what_the_gateway_set():
     raw = b'{"model": "m", "prompt": "hi", "priority": 9}\n'
     parsed = parse_request(raw, "/v1/completions", None, RequestLimitsConfig())

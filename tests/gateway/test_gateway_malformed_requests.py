@@ -3,6 +3,8 @@ or a plain-text body, answered in-process (no replica is ever asked)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -90,3 +92,25 @@ def test_a_body_over_the_cap_is_an_openai_413_declared_or_chunked() -> None:
     small = client.post("/v1/completions", content=b"{" + b" " * 2**19,
                         headers={"content-type": "application/json"})  # fmt: skip
     assert small.status_code == 400  # under the cap: parsed, and refused for what it is
+
+
+def test_a_prompt_over_max_prompt_tokens_is_a_400_before_its_ids_are_read() -> None:
+    """The bound `modelship up` sets from serve.engine.max_model_len: a longer token-id
+    prompt (alone or one of several) is refused by its length, items unread."""
+    limits = RequestLimitsConfig(max_prompt_tokens=4)
+    for prompt in ([0] * 5, [[0], [0] * 5], [0, 0, 0, 0, 0, "not read"]):
+        body = json.dumps({"model": "m", "prompt": prompt}).encode()
+        with pytest.raises(GatewayError, match="at most 4 token ids") as info:
+            parse_request(body, "/v1/completions", None, limits)
+        assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    ok = json.dumps({"model": "m", "prompt": [[0] * 4, [1] * 4]}).encode()
+    assert parse_request(ok, "/v1/completions", None, limits).input_tokens == 8
+
+
+def test_up_bounds_the_gateway_by_the_engines_max_model_len() -> None:
+    from modelship.fleet.local import _bound_prompt_tokens
+
+    assert _bound_prompt_tokens(GatewayConfig(), 512).request_limits.max_prompt_tokens == 512
+    assert _bound_prompt_tokens(GatewayConfig(), None).request_limits.max_prompt_tokens is None
+    own = GatewayConfig(request_limits=RequestLimitsConfig(max_prompt_tokens=100))
+    assert _bound_prompt_tokens(own, 512).request_limits.max_prompt_tokens == 100

@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -65,22 +64,26 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def _process_group(config: EngineConfig, rank: int, port: int) -> dist.ProcessGroup:
-    """This rank's group over a TCP store on 127.0.0.1 (rank 0 hosts it)."""
+def _store(config: EngineConfig, rank: int, port: int = 0) -> dist.TCPStore:
+    """The group's TCP store on 127.0.0.1. Rank 0 hosts it on a port the OS picks as it
+    binds (its `port` is then passed to the others): a port found free, closed and bound
+    again later could be taken by another process in between."""
     timeout = datetime.timedelta(seconds=config.tensor_parallel_timeout_s)
     size = config.tensor_parallel_size
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+    if rank == 0:  # the other ranks start after it: the group's creation waits for them
+        return dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+
+
+def _process_group(config: EngineConfig, rank: int, store: dist.TCPStore) -> dist.ProcessGroup:
+    """This rank's group over `store`."""
+    timeout = datetime.timedelta(seconds=config.tensor_parallel_timeout_s)
+    size = config.tensor_parallel_size
     if config.torch_device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -102,7 +105,7 @@ class TensorParallelGroup:
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
         self.config = config
         self.size = config.tensor_parallel_size
-        port = _free_port()
+        store = _store(config, 0)
         context = multiprocessing.get_context("spawn")
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self.pipes: list[Any] = []
@@ -110,7 +113,7 @@ class TensorParallelGroup:
             ours, theirs = context.Pipe()
             worker = context.Process(
                 target=_worker_main,
-                args=(str(model_path), config, rank, port, theirs),
+                args=(str(model_path), config, rank, store.port, theirs),
                 name=f"modelship-tp{rank}",
                 daemon=True,
             )
@@ -119,7 +122,7 @@ class TensorParallelGroup:
             self.workers.append(worker)
             self.pipes.append(ours)
         try:
-            self.group = _process_group(config, 0, port)
+            self.group = _process_group(config, 0, store)
         except Exception as exc:
             self.close()
             raise self.failure(exc) from exc
@@ -211,7 +214,7 @@ def _worker_main(model_path: str, config: EngineConfig, rank: int, port: int, pi
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = _process_group(config, rank, port)
+    group = _process_group(config, rank, _store(config, rank, port))
     try:
         model_config = ModelConfig.from_dir(model_path)
         shard = ShardSpec(model_config, rank, config.tensor_parallel_size)

@@ -116,13 +116,16 @@ class CostConfig(_Section):
 
 class RequestLimitsConfig(_Section):
     """What one request may ask for, checked before it is admitted (the replicas check the
-    same caps): sequences per prompt (`n`) and stop strings."""
+    same caps): sequences per prompt (`n`), stop strings, prompts, token ids per prompt."""
 
     max_n: int = Field(default=16, ge=1)
     max_stop: int = Field(default=16, ge=1)  # stop strings per request
     max_stop_chars: int = Field(default=256, ge=1)  # characters per stop string
     max_prompts: int = Field(default=64, ge=1)  # prompts per completion request
     max_body_mb: int = Field(default=16, ge=1)  # request body, refused with 413 beyond
+    # Token ids per prompt (the replicas' max_model_len); `modelship up` sets it from
+    # serve.engine.max_model_len. Unset: the replicas alone refuse longer ones.
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
 
 
 class GatewayConfig(_Section):

@@ -36,6 +36,9 @@ def can_fail_over(body: dict[str, Any], num_sequences: int) -> bool:
 class StreamProgress:
     """What a stream has delivered to its client, read from whole SSE events."""
 
+    # The client asked for `token_ids` itself; else the gateway did (for this failover)
+    # and they are taken out of the events the client gets.
+    pass_token_ids: bool = True
     token_ids: list[int] = field(default_factory=list)
     is_finished: bool = False  # the choice's finish_reason went out
     stream_id: bytes | None = None  # the first replica's chunk id, kept for the whole stream
@@ -44,14 +47,15 @@ class StreamProgress:
 
     def read(self, events: bytes) -> bytes:
         """Account for whole events; returns them as the client gets them (a resuming
-        replica's chunk id replaced with the stream's)."""
-        if self._rewrite is None and not self._resuming:
+        replica's chunk id replaced with the stream's, `token_ids` taken out unless the
+        client asked for them)."""
+        if self._rewrite is None and not self._resuming and self.pass_token_ids:
             for event in events.split(b"\n\n"):
                 self._read(event)
             return events
         out = []
         for event in events.split(b"\n\n"):
-            chunk_id = self._read(event)
+            chunk_id, event = self._read(event)
             if self._resuming and chunk_id is not None:
                 self._resuming = False
                 if self.stream_id is not None and chunk_id != self.stream_id:
@@ -66,29 +70,36 @@ class StreamProgress:
         self._resuming = True
         self._rewrite = None
 
-    def _read(self, event: bytes) -> bytes | None:
-        """The chunk id of a data event (None for anything else)."""
+    def _read(self, event: bytes) -> tuple[bytes | None, bytes]:
+        """The chunk id of a data event (None for anything else), and the event as the
+        client gets it."""
         if not event.startswith(b"data:"):
-            return None
+            return None, event
         payload = event[5:].strip()
         if payload == b"[DONE]":
-            return None
+            return None, event
         try:
             chunk = json.loads(payload)
         except (ValueError, RecursionError):
-            return None
+            return None, event
         if not isinstance(chunk, dict):
-            return None
+            return None, event
         chunk_id = chunk.get("id")
         chunk_id = chunk_id.encode() if isinstance(chunk_id, str) else None
         if self.stream_id is None:
             self.stream_id = chunk_id
+        removed = False
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
             ids = choice.get("token_ids")
             if isinstance(ids, list):
                 self.token_ids += [t for t in ids if isinstance(t, int)]
+            if not self.pass_token_ids and "token_ids" in choice:
+                del choice["token_ids"]
+                removed = True
             if choice.get("finish_reason") is not None:
                 self.is_finished = True
-        return chunk_id
+        if removed:
+            event = b"data: " + json.dumps(chunk).encode()
+        return chunk_id, event

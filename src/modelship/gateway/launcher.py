@@ -20,6 +20,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from modelship.gateway.service import GatewayService
+from modelship.http_limits import uvicorn_http_options
 from modelship.logs import uvicorn_log_config
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class DrainingGateway(uvicorn.Server):
 
 
 def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
-    """uvicorn's settings for the gateway: uvloop and httptools where they import."""
+    """uvicorn's settings for the gateway: uvloop and httptools where they import, the
+    request head capped either way (`http_limits`)."""
     fast = _can_import("uvloop") and _can_import("httptools")
     if not fast:
         logger.warning("uvloop or httptools is not installed: the gateway runs on asyncio and "
@@ -54,7 +56,7 @@ def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5,
         log_config=uvicorn_log_config(), loop="uvloop" if fast else "asyncio",
-        http="httptools" if fast else "h11",
+        **uvicorn_http_options(use_httptools=fast),
     )  # fmt: skip
 
 

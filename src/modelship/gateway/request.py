@@ -150,9 +150,7 @@ def parse_request(
         prompt = Prompt(prefix_text, estimate_num_tokens(prefix_text), 1, is_exact=False)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
-        prompt = read_prompt(body.get("prompt"))
-        if prompt.num_prompts > limits.max_prompts:
-            raise GatewayError(400, f"prompt: at most {limits.max_prompts} prompts per request.")
+        prompt = read_prompt(body.get("prompt"), limits)
         max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise GatewayError(400, "max_tokens: must be a positive integer.")
@@ -210,13 +208,17 @@ class Prompt:
     is_exact: bool  # token ids, counted
 
 
-def read_prompt(prompt: object) -> Prompt:
+def read_prompt(prompt: object, limits: RequestLimitsConfig) -> Prompt:
     """A string, a list of strings, a list of token ids, or a list of such lists (the
     forms the OpenAI API takes); anything else is a 400. Token ids render as
-    `"id,id,...,"`, so a prompt extending another one renders as an extension of it."""
+    `"id,id,...,"`, so a prompt extending another one renders as an extension of it.
+    Lengths are checked before any item is: more than `max_prompts` prompts, or a token-id
+    list longer than `max_prompt_tokens`, is a 400 (4 million ids once cost the gateway
+    seconds here, and a replica more, before its length check)."""
     if isinstance(prompt, str):
         return Prompt(prompt, estimate_num_tokens(prompt), 1, is_exact=False)
     if isinstance(prompt, list) and prompt:
+        check_prompt_lengths(prompt, limits)
         if all(_is_int(t) for t in prompt):
             return Prompt(_token_text(prompt), len(prompt), 1, is_exact=True)
         if all(isinstance(p, str) for p in prompt):
@@ -231,6 +233,27 @@ def read_prompt(prompt: object) -> Prompt:
         "prompt: a string, a list of strings, a list of token ids or a list of token id "
         "lists is required.",
     )
+
+
+def check_prompt_lengths(prompt: list, limits: RequestLimitsConfig) -> None:
+    """A list of prompts at most `max_prompts` long, token-id lists at most
+    `max_prompt_tokens` (unset: unbounded here, the replicas refuse them)."""
+    is_one_prompt = not isinstance(prompt[0], str | list)
+    if not is_one_prompt and len(prompt) > limits.max_prompts:
+        raise GatewayError(400, f"prompt: at most {limits.max_prompts} prompts per request.",
+                           param="prompt")  # fmt: skip
+    bound = limits.max_prompt_tokens
+    if bound is None:
+        return
+    lists = [prompt] if is_one_prompt else [p for p in prompt if isinstance(p, list)]
+    if any(len(ids) > bound for ids in lists):
+        raise GatewayError(
+            400,
+            f"prompt: a prompt takes at most {bound} token ids (the served model's context "
+            "length).",
+            code="context_length_exceeded",
+            param="prompt",
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +72,7 @@ from modelship.gateway.tiers import (
     choose_tier,
 )
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
+from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span, inject
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class GatewayService:
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions and /v1/completions."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
         tenant_name = "unknown"
         span = self.tracing.start_span(
             "gateway request",
@@ -488,6 +488,7 @@ class GatewayService:
             and self.replicas_trust_gateway  # ours, with their key: they take the fields
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
+        pass_token_ids = parsed.body.get("return_token_ids") is True  # the client's own ask
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
         # `priority` as each engine reads it; vLLM's `cache_salt` field (wins over a client's)
@@ -540,7 +541,7 @@ class GatewayService:
                     self._resume, path, parsed, headers, track, tier, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
-                                resume)  # fmt: skip
+                                resume, pass_token_ids)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
@@ -627,6 +628,7 @@ class GatewayService:
         deadline: float,
         usage: StreamUsage,
         resume: Resume | None = None,
+        pass_token_ids: bool = True,
     ) -> StreamingResponse:
         first = attempt  # its first byte and first token came from this replica
 
@@ -657,7 +659,8 @@ class GatewayService:
             hold.end(how.status_code, first.ttft_s, used)
 
         headers = _response_headers(attempt, request_id, self.says_release(hold.tenant))
-        return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
+        events = pump(attempt, deadline, usage, on_end, resume, pass_token_ids)
+        return StreamingResponse(events, headers=headers)
 
     async def _resume(
         self,

@@ -31,6 +31,7 @@ from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
 from modelship.server.serving import OpenAIServing, sse
+from modelship.server.token_limit import TokenIdLimit
 from modelship.server.tracing import TracingMiddleware
 from modelship.tracing import Tracing
 
@@ -91,6 +92,8 @@ def create_app(
     app.state.server = state
 
     app.add_middleware(InflightMiddleware, state=state)
+    # Inside the body cap: bounds token-id lists before pydantic validates them.
+    app.add_middleware(TokenIdLimit, max_model_len=serving.max_model_len, limits=serving.limits)
     max_body_mb = (limits or RequestLimitsConfig()).max_body_mb
     app.add_middleware(BodySizeLimit, max_bytes=max_body_mb * 2**20)
     if tracing is not None and tracing.is_enabled:  # off: not even a pass-through layer

@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from modelship.engine import AsyncLLMEngine, EngineConfig, EngineCoreClient
+from modelship.http_limits import uvicorn_http_options
 from modelship.logs import uvicorn_log_config
 from modelship.server.app import ServerState, create_app
 from modelship.server.limits import RequestLimitsConfig
@@ -92,6 +93,7 @@ def serve(
         timeout_graceful_shutdown=5,
         access_log=False,
         log_config=uvicorn_log_config(),
+        **uvicorn_http_options(),  # httptools (or h11) with the request head capped
     )
     if sock is not None:
         logger.info("listening on %s:%d (inherited socket)", *sock.getsockname()[:2])

@@ -16,9 +16,8 @@ from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelship.engine import SequenceDelta
+from modelship.request_id import REQUEST_ID_HEADER, is_valid_request_id
 from modelship.tracing import Tracing, end_span, extract
-
-REQUEST_ID_HEADER = "x-request-id"
 
 
 class TracingMiddleware:
@@ -35,11 +34,12 @@ class TracingMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = headers.get(REQUEST_ID_HEADER, "")  # any client may send one
         span = self.tracing.start_span(
             "replica request",
             extract(headers),
             {**self.attributes, "path": scope["path"],
-             "request_id": headers.get(REQUEST_ID_HEADER, "")},
+             "request_id": request_id if is_valid_request_id(request_id) else ""},
             kind=SpanKind.SERVER,
         )  # fmt: skip
         status = 500  # unless a response starts

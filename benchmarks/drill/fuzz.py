@@ -12,11 +12,12 @@ never read their stream, clients that hang up mid-stream, a request head that ne
 
 Pass rules: no 5xx and no error event inside a 200 stream; every 4xx an OpenAI error body;
 every request answered within its timeout; the processes alive and answering afterwards;
-slow clients hold up nobody; clients that never read grow the server by at most
-`fuzz_sockets.RSS_BOUND_MIB`; after the hang-ups nothing runs and every KV block is free
-(the raw-socket half lives in `fuzz_sockets.py`); a head past 64 KiB is a 431 while it
-streams in; 4 million token ids are a 400 naming `prompt` while /ready answers within
-`fuzz_sockets.PROBE_S`; odd request ids are answered 200 on one keep-alive connection.
+slow clients hold up nobody; clients that never read hold up nobody either and grow the
+server by at most `fuzz_sockets.RSS_BOUND_MIB`; after the hang-ups nothing runs and every
+KV block is free (the raw-socket half lives in `fuzz_sockets.py`); a head past 64 KiB is a
+431 while it streams in; 4 million token ids are a 400 naming `prompt` while /ready
+answers within `fuzz_sockets.PROBE_S`; odd request ids are answered 200 on one keep-alive
+connection.
 
 The gateway is a Starlette app with no OpenAPI schema of its own: it proxies the replica's
 two POST routes and serves the same GET routes, so it is fuzzed with the replica's schema

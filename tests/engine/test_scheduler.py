@@ -24,10 +24,12 @@ def make(num_blocks=64, block_size=4, max_model_len=256, **config) -> Scheduler:
     )
 
 
-def request(name: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base=1):
+def request(
+    name: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base=1, index: int = 0
+):
     tokens = [base + i for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
-    return Sequence(name, tokens, params, priority=priority)
+    return Sequence(name, tokens, params, priority=priority, index=index)
 
 
 def step(scheduler: Scheduler, token: int = 7):
@@ -109,6 +111,33 @@ def test_priorities_then_fcfs() -> None:
         _plan, finished = step(scheduler)
         order += [s.seq_id for s in finished]
     assert order == ["high", "low-1", "low-2"]
+
+
+def test_a_requests_completions_take_turns_with_later_requests() -> None:
+    """Seats go to every request's first completion before any request's second: a later
+    single request is admitted ahead of an earlier request's extra completions."""
+    scheduler = make(max_num_seqs=2)
+    for index in range(3):  # one request, n=3 (siblings share the prompt)
+        scheduler.add_request(request(f"a:{index}", 4, base=10, index=index))
+    scheduler.add_request(request("b:0", 4, base=20))
+    plan, _ = step(scheduler)
+    assert [s.seq.seq_id for s in plan.scheduled] == ["a:0", "b:0"]
+    assert [seq.seq_id for seq in scheduler.waiting] == ["a:1", "a:2"]
+
+
+def test_a_requests_extra_completions_are_preempted_before_a_later_first() -> None:
+    """Out of blocks, the victim is the last in order: the earlier request's second
+    completion, not the later request's first (ordered by arrival alone, that one went)."""
+    scheduler = make(num_blocks=5, block_size=4, max_num_batched_tokens=16)
+    scheduler.add_request(request("a:0", 4, max_tokens=8, base=10))
+    scheduler.add_request(request("a:1", 4, max_tokens=8, base=10, index=1))
+    scheduler.add_request(request("b:0", 4, max_tokens=8, base=20))
+    plan, _ = step(scheduler)  # three prompts of one block each
+    assert [s.seq.seq_id for s in plan.scheduled] == ["a:0", "b:0", "a:1"]
+    plan, _ = step(scheduler)  # each decode needs a second block; two are left
+    assert [s.seq.seq_id for s in plan.scheduled] == ["a:0", "b:0"]
+    assert plan.preempted == ["a:1"]
+    assert [seq.seq_id for seq in scheduler.waiting] == ["a:1"]
 
 
 def test_admission_overload_is_typed() -> None:

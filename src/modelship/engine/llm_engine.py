@@ -260,7 +260,13 @@ class LLMEngine:
         # Everything that can fail runs before the scheduler takes the first sequence.
         seqs = [
             Sequence(
-                f"{request_id}:{i}", list(prompt_token_ids), params, priority, cache_salt, adapter
+                f"{request_id}:{i}",
+                list(prompt_token_ids),
+                params,
+                priority,
+                cache_salt,
+                adapter,
+                index=i,
             )
             for i in range(params.n)
         ]

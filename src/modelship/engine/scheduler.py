@@ -2,14 +2,16 @@
 
 One accounting rule covers prefill, chunked prefill, decode and prefix hits: a scheduled
 sequence runs `min(num_tokens - num_computed_tokens, remaining budget)` tokens, and its
-computed tokens catch up with its tokens. Running sequences are served first (higher
-priority, then earlier arrival); when one cannot get a block, the lowest-priority, newest
-running sequence is preempted (blocks freed, recomputed later). Waiting sequences are
-admitted only in steps without such preemption, so admission never evicts running work of
-the same priority; a higher-priority waiting sequence does take the seat of a lower one
-when all `max_num_seqs` are taken. A step that computes a prompt runs nothing of lower
-priority (no decode, no prompt chunk): its cost is the high-priority request's time to first
-token, and on a CPU a step's cost grows with every row in it.
+computed tokens catch up with its tokens. Running sequences are served first, in `_order`
+(higher priority, then lower completion index within its request, then earlier arrival:
+a request's `n` completions take turns with later requests); when one cannot get a block,
+the last running sequence in that order is preempted (blocks freed, recomputed later).
+Waiting sequences are admitted in the same order, only in steps without such preemption,
+so admission never evicts running work of the same priority; a higher-priority waiting
+sequence does take the seat of a lower one when all `max_num_seqs` are taken. A step that
+computes a prompt runs nothing of lower priority (no decode, no prompt chunk): its cost is
+the high-priority request's time to first token, and on a CPU a step's cost grows with
+every row in it.
 """
 
 from __future__ import annotations
@@ -42,8 +44,17 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def _order(seq: Sequence) -> tuple[int, int]:
-    return (-seq.priority, seq.arrival_seq)
+def _order(seq: Sequence) -> tuple[int, int, int]:
+    """Both queues' order, first served first: priority, then completion index, then arrival.
+
+    The index comes before arrival so that a request's `n` completions share the engine
+    with later requests instead of queueing ahead of them all: every request's first
+    completion precedes any request's second (round robin by index). Ordered by arrival
+    alone, three silent `n=16` streams without `max_tokens` put 45 sequences of 250
+    tokens, most of them preempted, ahead of a 2-token request on a 22-block KV cache,
+    which then waited for all of them (minutes). Preemption takes the last in this order,
+    so a request's extra completions give up their blocks before anyone's first does."""
+    return (-seq.priority, seq.index, seq.arrival_seq)
 
 
 class Scheduler:
@@ -131,10 +142,10 @@ class Scheduler:
         prefill_budget = budget
         if num_decoding:
             prefill_budget = max(0, min(self.config.max_prefill_chunk, budget - num_decoding))
-        # Every seat taken and a higher priority waiting: the lowest-priority, newest
-        # running sequence gives up its seat (recomputed later, its prompt blocks likely
-        # still in the prefix cache), so a high-priority request waits for one step, not
-        # for a low-priority one to finish its whole answer.
+        # Every seat taken and a higher priority waiting: the last running sequence in
+        # `_order` (lowest priority) gives up its seat (recomputed later, its prompt blocks
+        # likely still in the prefix cache), so a high-priority request waits for one step,
+        # not for a low-priority one to finish its whole answer.
         while (
             self.waiting
             and len(self.running) >= self.config.max_num_seqs
@@ -171,7 +182,7 @@ class Scheduler:
                     continue
                 prefill_budget -= num_new
             while not manager.can_allocate(seq, num_new):
-                victim = self.running[-1]  # lowest priority, newest arrival
+                victim = self.running[-1]  # the last in `_order`
                 self._preempt(victim)
                 plan.preempted.append(victim.seq_id)
                 if victim is seq:

@@ -38,8 +38,10 @@ class Sequence:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRAAdapter | None = None,
+        index: int = 0,
     ) -> None:
         self.seq_id = seq_id
+        self.index = index  # which of its request's `n` completions (OpenAI's choice index)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

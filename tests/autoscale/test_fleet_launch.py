@@ -68,12 +68,13 @@ def test_replicas_take_the_gateways_request_caps(tiny_llama_dir: Path, tmp_path:
         replica.wait_ready(120)
         url = f"{replica.url}/v1/completions"
         body = {"model": fleet.served_model_name, "prompt": "hello", "max_tokens": 2}
+        key = {"authorization": f"Bearer {fleet.replica_api_key}"}  # `up` always makes one
         # above the replica's own default (16), within the gateway's cap: served
-        response = httpx.post(url, json=body | {"n": 18}, timeout=60)
+        response = httpx.post(url, json=body | {"n": 18}, headers=key, timeout=60)
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 18
         # below the default (16 stop strings), beyond the gateway's cap: refused the same way
-        response = httpx.post(url, json=body | {"stop": ["a", "b", "c"]}, timeout=60)
+        response = httpx.post(url, json=body | {"stop": ["a", "b", "c"]}, headers=key, timeout=60)
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "stop"
     finally:

@@ -107,10 +107,39 @@ def test_a_prompt_over_max_prompt_tokens_is_a_400_before_its_ids_are_read() -> N
     assert parse_request(ok, "/v1/completions", None, limits).input_tokens == 8
 
 
-def test_up_bounds_the_gateway_by_the_engines_max_model_len() -> None:
-    from modelship.fleet.local import _bound_prompt_tokens
-
-    assert _bound_prompt_tokens(GatewayConfig(), 512).request_limits.max_prompt_tokens == 512
-    assert _bound_prompt_tokens(GatewayConfig(), None).request_limits.max_prompt_tokens is None
+def test_up_and_gateway_bound_prompts_by_the_engines_max_model_len() -> None:
+    assert GatewayConfig().bounded_by(512).request_limits.max_prompt_tokens == 512
+    assert GatewayConfig().bounded_by(None).request_limits.max_prompt_tokens is None
     own = GatewayConfig(request_limits=RequestLimitsConfig(max_prompt_tokens=100))
-    assert _bound_prompt_tokens(own, 512).request_limits.max_prompt_tokens == 100
+    assert own.bounded_by(512).request_limits.max_prompt_tokens == 100
+
+
+def test_a_standalone_gateway_refuses_prompts_past_serve_max_model_len(tmp_path) -> None:
+    """`modelship gateway` (Kubernetes) reads serve.engine.max_model_len as `up` does: the
+    prompt is refused before routing (here no replica answers at all: it was a 503)."""
+    import time
+
+    import httpx
+
+    from gateway_process import GatewayProcess
+
+    sections = {"serve": {"engine": {"max_model_len": 64}}}
+    gateway = GatewayProcess(tmp_path, {}, "--endpoint", "http://127.0.0.1:9",
+                             sections=sections)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # listening (never ready: its one replica is not there)
+            try:
+                httpx.get(f"{gateway.url}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, gateway.log_tail()
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": [0] * 65, "max_tokens": 1}
+        response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
+        body["prompt"] = [0] * 64
+        assert httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10).status_code == 503
+    finally:
+        gateway.stop()

@@ -75,6 +75,18 @@ def test_each_long_list_is_a_400_naming_its_field(replica, body, param, message)
     assert error["param"] == param and message in error["message"], error
 
 
+def test_a_million_chat_messages_are_a_400_before_they_are_validated(replica):
+    """Each `{}` was a pydantic validation (and an error entry) before any length check."""
+    messages = ",".join(["{}"] * 1_000_000)
+    body = f'{{"model": "{MODEL}", "max_tokens": 1, "messages": [{messages}]}}'.encode()
+    response = httpx.post(f"{replica.url}/v1/chat/completions", content=body, timeout=120,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages" and f"at most {MAX_MODEL_LEN} messages" in error["message"]
+    assert httpx.get(f"{replica.url}/ready", timeout=10).status_code == 200
+
+
 def test_prompts_within_the_bounds_are_served(replica):
     """A body with many commas takes the slow path (parsed, counted) and goes on."""
     prompts = [[0] * (MAX_MODEL_LEN - 2)] * 2

@@ -133,7 +133,7 @@ def gateway(
             CONFIG_EXIT_CODE,
         )
     service = GatewayService(
-        config.gateway,
+        config.gateway.bounded_by(config.serve.engine.max_model_len),
         pool,
         api_key=config.serve.api_key or os.environ.get("MODELSHIP_API_KEY"),
         upstream_api_key=upstream_key,

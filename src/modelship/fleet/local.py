@@ -28,7 +28,6 @@ from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.adapters import Action, FanOut, fan_out, is_under
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Track, Verdict
-from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
 from modelship.gateway.drift import DriftProbe, ProbeResult
 from modelship.gateway.pool import EndpointPool, Upstream
@@ -63,7 +62,7 @@ class LocalFleet:
         # serve.api_key the fleet makes one up (never stored).
         self.replica_api_key = config.serve.api_key or secrets.token_urlsafe(32)
         self.service = GatewayService(
-            _bound_prompt_tokens(config.gateway, config.serve.engine.max_model_len),
+            config.gateway.bounded_by(config.serve.engine.max_model_len),
             self.pool,
             api_key=config.serve.api_key,
             upstream_api_key=self.replica_api_key,
@@ -332,13 +331,3 @@ def _evaluated_golden(release_dir: Path, variant: str) -> list[golden.GoldenAnsw
     serving = ((metrics.get("evaluations") or {}).get(variant) or {}).get("serving") or {}
     answers = serving.get("golden")
     return [golden.GoldenAnswer(**answer) for answer in answers] if answers else None
-
-
-def _bound_prompt_tokens(gateway: GatewayConfig, max_model_len: int | None) -> GatewayConfig:
-    """The gateway's `max_prompt_tokens` from the replicas' max_model_len, where it is set
-    and the config names no bound of its own: a longer prompt is refused before routing."""
-    limits = gateway.request_limits
-    if max_model_len is None or limits.max_prompt_tokens is not None:
-        return gateway
-    bounded = limits.model_copy(update={"max_prompt_tokens": max_model_len})
-    return gateway.model_copy(update={"request_limits": bounded})

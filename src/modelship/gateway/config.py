@@ -123,8 +123,9 @@ class RequestLimitsConfig(_Section):
     max_stop_chars: int = Field(default=256, ge=1)  # characters per stop string
     max_prompts: int = Field(default=64, ge=1)  # prompts per completion request
     max_body_mb: int = Field(default=16, ge=1)  # request body, refused with 413 beyond
-    # Token ids per prompt (the replicas' max_model_len); `modelship up` sets it from
-    # serve.engine.max_model_len. Unset: the replicas alone refuse longer ones.
+    # Token ids per prompt (the replicas' max_model_len); `modelship up` and `modelship
+    # gateway` set it from serve.engine.max_model_len (`bounded_by`). Unset: the replicas
+    # alone refuse longer ones.
     max_prompt_tokens: int | None = Field(default=None, ge=1)
 
 
@@ -201,3 +202,13 @@ class GatewayConfig(_Section):
                         f"configured: {', '.join(served)}"
                     )
         return self
+
+    def bounded_by(self, max_model_len: int | None) -> GatewayConfig:
+        """This config with `request_limits.max_prompt_tokens` from the replicas'
+        max_model_len, where it is set and the config names no bound of its own: a longer
+        prompt of token ids is refused before routing."""
+        limits = self.request_limits
+        if max_model_len is None or limits.max_prompt_tokens is not None:
+            return self
+        bounded = limits.model_copy(update={"max_prompt_tokens": max_model_len})
+        return self.model_copy(update={"request_limits": bounded})

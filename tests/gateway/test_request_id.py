@@ -20,17 +20,19 @@ from server_process import ServerProcess
 
 MODEL = "tiny"
 KEY = "sk-tenant-test"
+REPLICA_KEY = "sk-replica-test"  # a gateway with tenants needs the replicas' key
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def gateway(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     replica = ServerProcess(tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len",
-                            "256", "--kv-cache-memory-mb", "16", timeout_s=300)  # fmt: skip
+                            "256", "--kv-cache-memory-mb", "16", timeout_s=300,
+                            api_key=REPLICA_KEY)  # fmt: skip
     tenants = [{"name": name, "api_key_sha256": hash_api_key(f"{KEY}-{name}")}
                for name in ("a", "b")]  # fmt: skip
     process = GatewayProcess(tmp_path_factory.mktemp("gateway"), {"tenants": tenants},
-                             "--endpoint", replica.url)  # fmt: skip
+                             "--endpoint", replica.url, api_key=REPLICA_KEY)  # fmt: skip
     try:
         process.wait_ready(60)
         yield process.url

@@ -1,10 +1,10 @@
 """The gateway's request path: authenticate, limit, admit, split, route, forward, account.
 
 One `GatewayService` per gateway process. Every request that gets past authentication
-holds a tenant concurrency slot and an admission slot until its response ends, however it
-ends; `_Hold.end` gives both back exactly once and records the request's metrics. A client
-that hangs up ends its request at once (status 499): the replica's work is cancelled and
-nothing is held for it.
+(`auth.py`) holds a tenant concurrency slot and an admission slot until its response ends,
+however it ends; `RequestHold.end` (`accounting.py`) gives both back exactly once and
+records the request's metrics. A client that hangs up ends its request at once (status
+499): the replica's work is cancelled and nothing is held for it.
 """
 
 from __future__ import annotations
@@ -13,24 +13,24 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import hmac
 import logging
 import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from modelship.gateway.accounting import Accounting, RequestHold
 from modelship.gateway.adapters import Action, fan_out
 from modelship.gateway.admission import AdmissionQueue
+from modelship.gateway.auth import GatewayAuth
 from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary, judged_ttft
 from modelship.gateway.config import GatewayConfig
-from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
+from modelship.gateway.cost import Price
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.engine_load import ReplicaEngine
 from modelship.gateway.engines import UpstreamBodies
@@ -49,19 +49,13 @@ from modelship.gateway.request import (
     GatewayError,
     ParsedRequest,
     parse_request,
-    unauthorized,
     unavailable,
 )
 from modelship.gateway.resilience import BreakerState, Failure, FailureKind, RetryPolicy
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import (
-    CACHE_SALT_HEADER,
-    MAX_INPUT_TOKENS_HEADER,
     Tenant,
-    TenantConfig,
     TenantLimiter,
-    TenantRegistry,
-    hash_api_key,
 )
 from modelship.gateway.tiers import (
     PRIMARY,
@@ -72,23 +66,13 @@ from modelship.gateway.tiers import (
     choose_tier,
 )
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
+from modelship.replica_headers import CACHE_SALT_HEADER, MAX_INPUT_TOKENS_HEADER
 from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span, inject
 
 logger = logging.getLogger(__name__)
-access_logger = logging.getLogger("modelship.access")  # one line per request, if enabled
 
-_ANONYMOUS = Tenant("anonymous", TenantConfig(name="anonymous", api_key_sha256=["0" * 64]))
 _REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
-
-
-def build_registry(config: GatewayConfig, api_key: str | None) -> TenantRegistry | None:
-    """The configured tenants; else one tenant for `api_key`; else None (open access)."""
-    if config.tenants:
-        return TenantRegistry(config.tenants)
-    if api_key:
-        return TenantRegistry([TenantConfig(name="default", api_key_sha256=hash_api_key(api_key))])
-    return None
 
 
 class GatewayService:
@@ -106,9 +90,8 @@ class GatewayService:
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing()  # off unless configured: spans cost nothing
-        self.access_log = access_log
         self.pool = pool
-        self.registry = build_registry(config, api_key)
+        self.auth = GatewayAuth(config, api_key)
         self.limiter = TenantLimiter()
         self.admission = AdmissionQueue(config.admission)
         resilience = config.resilience
@@ -129,11 +112,6 @@ class GatewayService:
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
         # Several tenants: no one tenant's requests alone may roll a canary back.
         self.judge = CanaryJudge(config.canary, num_tenants=len(config.tenants))
-        # Tenants whose key is also a metrics or admin key: the operator's own.
-        operator_keys = {*config.metrics_api_key_sha256, *config.admin_api_key_sha256}
-        self.release_readers = {
-            t.name for t in config.tenants if operator_keys.intersection(t.api_key_sha256)
-        }
         self.canary_weight = canary_weight
         secret = config.canary.split_secret
         self.split_secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
@@ -148,12 +126,11 @@ class GatewayService:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self.has_replica_key = bool(upstream_api_key)
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
-        # variant -> price per 1k tokens (`modelship up` adds those derived from select's
-        # measurements); the ledger is the usage file on storage `modelship usage` reads.
-        self.prices: dict[str, Price] = {
+        prices = {
             name: Price(p.input_per_1k, p.output_per_1k) for name, p in config.cost.variants.items()
         }
-        self.ledger: UsageLedger | None = None
+        self.accounting = Accounting(self.limiter, self.admission, self.metrics, prices,
+                                     access_log=access_log)  # fmt: skip
         self.is_draining = False
         self.client: httpx.AsyncClient | None = None
         # The client's connection pool; requests to replicas are sent on it directly.
@@ -226,50 +203,6 @@ class GatewayService:
         return {priority.name.lower(): count for priority, count in held.items()}
 
     # Request path ------------------------------------------------------------------------
-    def authenticate(self, request: Request) -> Tenant:
-        if self.registry is None:
-            return _ANONYMOUS
-        key = _bearer_key(request)
-        tenant = self.registry.authenticate(key) if key else None
-        if tenant is None:
-            raise unauthorized()
-        return tenant
-
-    def can_read_request_metrics(self, request: Request) -> bool:
-        """Whether the scrape gets the series that move per request (`metrics.py`): True
-        for a metrics key, and without a key only on a gateway without API keys (anyone
-        may send it requests anyway); without a key otherwise, False (the fleet's series
-        alone). Any other key is refused (401), so a misconfigured scraper hears of it."""
-        key = _bearer_key(request)
-        if not key:
-            return self.registry is None
-        digest = hash_api_key(key).encode()
-        found = False
-        for candidate in self.config.metrics_api_key_sha256:  # constant time, no early exit
-            found |= hmac.compare_digest(digest, candidate.encode())
-        if not found:
-            raise unauthorized()
-        return True
-
-    def authenticate_admin(self, request: Request) -> None:
-        """An admin key (`admin_api_key_sha256`), compared in constant time; 404 when none
-        is configured, 403 for a tenant's key, 401 for anything else."""
-        digests = self.config.admin_api_key_sha256
-        if not digests:
-            raise GatewayError(404, "changing LoRA adapters through the gateway is off (set "
-                               "gateway.admin_api_key_sha256)", code="not_found")  # fmt: skip
-        key = _bearer_key(request)
-        digest = hash_api_key(key).encode()
-        found = False
-        for candidate in digests:  # constant time, no early exit
-            found |= hmac.compare_digest(digest, candidate.encode())
-        if found:
-            return
-        if key and self.registry is not None and self.registry.authenticate(key) is not None:
-            raise GatewayError(403, "this key may not change the served adapters",
-                               "permission_error", "forbidden")  # fmt: skip
-        raise unauthorized()
-
     async def change_adapters(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
         """Load or unload an adapter on every replica (`adapters.fan_out`), or through
         `on_change_adapters` (the local fleet's, which also covers replicas it starts)."""
@@ -293,7 +226,7 @@ class GatewayService:
             links=client_links(request.headers) if self.tracing.is_enabled else (),
         )
         try:
-            tenant = self.authenticate(request)
+            tenant = self.auth.authenticate(request)
             tenant_name = tenant.name
             if self.is_draining:
                 raise unavailable("the gateway is shutting down; retry shortly")
@@ -324,7 +257,12 @@ class GatewayService:
             raise
 
     async def _forward_while_connected(
-        self, request: Request, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
+        self,
+        request: Request,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        hold: RequestHold,
+        request_id: str,
     ) -> Response:
         """`_forward`, cancelled if the client hangs up before the response starts (once a
         stream is under way, Starlette cancels it the same way)."""
@@ -345,7 +283,9 @@ class GatewayService:
             return Response(status_code=499)  # nobody reads it
         return forward.result()
 
-    def _admit(self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span) -> _Hold:
+    def _admit(
+        self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span
+    ) -> RequestHold:
         now = time.monotonic()
         # A text's token count is the replica's to check (exactly) when it trusts us.
         check_max_input = parsed.input_is_exact or not self.replicas_trust_gateway
@@ -374,7 +314,7 @@ class GatewayService:
             parsed.set("max_tokens", limit.max_tokens)
             parsed.max_tokens = limit.max_tokens
         parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
-        return _Hold(self, tenant, parsed.num_sequences, parsed.input_tokens,
+        return RequestHold(self.accounting, tenant, parsed.num_sequences, parsed.input_tokens,
                      limit.num_reserved_tokens, time.perf_counter(), request_id,
                      parsed.model or "default", span)  # fmt: skip
 
@@ -409,13 +349,6 @@ class GatewayService:
         endpoints = self.pool.endpoints(Track.STABLE, tier)
         routable = sum(1 for endpoint in endpoints if endpoint.is_routable)
         return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
-
-    def says_release(self, tenant: Tenant) -> bool:
-        """Whether `x-modelship-release` goes to this tenant: on a gateway without tenants
-        (the operator's), else only to a tenant whose key is also a metrics or admin key.
-        Any other tenant told its track could look for a canary session and aim traffic
-        at it."""
-        return not self.config.tenants or tenant.name in self.release_readers
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The tenant's session (or user, or conversation) stays on one side of the split.
@@ -471,7 +404,7 @@ class GatewayService:
                     yield upstream
 
     async def _forward(
-        self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: _Hold, request_id: str
+        self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: RequestHold, request_id: str
     ) -> Response:
         resilience = self.config.resilience
         tier = self.pick_tier(parsed, tenant).tier
@@ -495,7 +428,7 @@ class GatewayService:
         bodies = UpstreamBodies(parsed, tenant.priority, tenant.cache_salt)
         headers = {
             **self.upstream_headers,
-            "x-request-id": request_id,
+            REQUEST_ID_HEADER: request_id,
             CACHE_SALT_HEADER: tenant.cache_salt,  # equal prefixes are shared within it only
         }
         if tenant.config.max_input_tokens is not None:  # checked on the replica's own count
@@ -547,7 +480,7 @@ class GatewayService:
         if usage is not None:
             self.estimator.observe(usage.completion_tokens // parsed.num_sequences)
         hold.end(attempt.status_code, attempt.ttft_s, usage or Usage(parsed.input_tokens, 0))
-        headers = _response_headers(attempt, request_id, self.says_release(tenant))
+        headers = _response_headers(attempt, request_id, self.auth.says_release(tenant))
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
 
     async def _attempt(
@@ -557,7 +490,7 @@ class GatewayService:
         content: bytes,
         headers: dict[str, str],
         parsed: ParsedRequest,
-        hold: _Hold,
+        hold: RequestHold,
         routing: RoutingRequest,
     ) -> Attempt:
         resilience = self.config.resilience
@@ -622,7 +555,7 @@ class GatewayService:
     def _stream(
         self,
         attempt: Attempt,
-        hold: _Hold,
+        hold: RequestHold,
         request_id: str,
         num_tokens: int,
         deadline: float,
@@ -658,7 +591,7 @@ class GatewayService:
                 )
             hold.end(how.status_code, first.ttft_s, used)
 
-        headers = _response_headers(attempt, request_id, self.says_release(hold.tenant))
+        headers = _response_headers(attempt, request_id, self.auth.says_release(hold.tenant))
         events = pump(attempt, deadline, usage, on_end, resume, pass_token_ids)
         return StreamingResponse(events, headers=headers)
 
@@ -670,7 +603,7 @@ class GatewayService:
         track: Track,
         tier: str,
         routing: RoutingRequest,
-        hold: _Hold,
+        hold: RequestHold,
         request_id: str,
         failed: Attempt,
         progress: StreamProgress,
@@ -720,7 +653,7 @@ class GatewayService:
     def _record(
         self,
         upstream: Upstream,
-        hold: _Hold,
+        hold: RequestHold,
         ok: bool,
         ttft_s: float | None = None,
         kind: str | None = None,
@@ -758,95 +691,6 @@ class GatewayService:
             self.canary_weight = weight
 
 
-@dataclass(eq=False)
-class _Hold:
-    """The slots an admitted request holds; `end` frees them once and records metrics."""
-
-    service: GatewayService
-    tenant: Tenant
-    num_sequences: int
-    input_tokens: int  # as estimated at admission
-    num_reserved_tokens: int  # taken from the tenant's bucket at admission
-    started_at: float
-    request_id: str = ""
-    model: str = "default"
-    span: Span | None = None  # the gateway request span; None or invalid: not traced
-    attempt_span: Span | None = None  # a streaming attempt's, open until the stream ends
-    num_attempts: int = 0
-    upstream: Upstream | None = None
-    num_output_if_abandoned: int = 0  # while an attempt is generating
-    ended: bool = False
-    num_failovers: int = 0  # replicas tried to resume the stream
-    tried: set[str] = field(default_factory=set)  # endpoints that served or resumed it
-
-    def end(self, status_code: int, ttft_s: float | None, usage: Usage | None = None) -> None:
-        """`usage`: as the replica counted it; None when the gateway never learned it (the
-        estimated output is charged if the request was abandoned mid-generation)."""
-        if self.ended:
-            return
-        self.ended = True
-        abandoned = usage is None and self.num_output_if_abandoned > 0
-        if usage is None:
-            usage = Usage(self.input_tokens, self.num_output_if_abandoned)
-        num_used = usage.prompt_tokens + usage.completion_tokens
-        if abandoned:  # mid-generation: it may have used all the reservation allowed
-            num_used = max(num_used, self.num_reserved_tokens)
-        service, name = self.service, self.tenant.name
-        # The reservation covered the input's estimate and the output's bound: refund what
-        # went unused (or charge an underestimated input, or an unbounded output).
-        service.limiter.charge(name, num_used - self.num_reserved_tokens, time.monotonic())
-        service.limiter.release(name, self.num_sequences)
-        service.admission.release(self.tenant.priority, self.num_sequences)
-        metrics = service.metrics
-        release = self.upstream.release if self.upstream else "none"
-        variant = self.upstream.variant if self.upstream else "none"
-        # The model as a label only if a replica answered it (a replica refuses a name it
-        # does not serve): the client writes it, and any string, lone surrogates included,
-        # would be a new series, or a /metrics page that cannot be encoded.
-        known = self.upstream is not None and status_code < 400
-        model = self.model if known else "unknown"
-        metrics.tokens.labels(name, model, variant, "input").inc(usage.prompt_tokens)
-        metrics.tokens.labels(name, model, variant, "output").inc(usage.completion_tokens)
-        price = service.prices.get(variant)
-        cost = None if price is None else price.of(usage.prompt_tokens, usage.completion_tokens)
-        if cost is not None:
-            metrics.cost.labels(name, model, variant).inc(cost)
-        if service.ledger is not None:
-            service.ledger.append(
-                UsageRecord(now_utc(), name, model, release, variant, status_code,
-                            usage.prompt_tokens, usage.completion_tokens, cost)
-            )  # fmt: skip
-        metrics.requests.labels(name, str(status_code), release, variant).inc()
-        metrics.latency.labels(release, variant).observe(time.perf_counter() - self.started_at)
-        if ttft_s is not None and status_code < 500:
-            metrics.ttft.labels(release, variant).observe(ttft_s)
-        self._trace(status_code, release, variant, usage)
-
-    def _trace(self, status_code: int, release: str, variant: str, usage: Usage) -> None:
-        """End the request's spans; log its access line (`log_format: json`)."""
-        traced = self.span is not None and self.span.is_recording()
-        if not (traced or self.service.access_log):
-            return  # tracing off (the default): nothing to do per request
-        if self.attempt_span is not None:
-            end_span(self.attempt_span, {"status": status_code}, error=status_code >= 500)
-        fields = {
-            "request_id": self.request_id, "tenant": self.tenant.name, "model": self.model,
-            "release": release, "variant": variant, "status": status_code,
-            "priority": self.tenant.priority.name.lower(), "attempts": self.num_attempts,
-        }  # fmt: skip
-        if self.span is not None:
-            end_span(self.span, fields, error=status_code >= 500)
-        if self.service.access_log:
-            ctx = self.span.get_span_context() if self.span is not None else None
-            if ctx is not None and ctx.is_valid:
-                fields |= {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
-            latency_ms = round((time.perf_counter() - self.started_at) * 1e3, 3)
-            fields |= {"latency_ms": latency_ms, "prompt_tokens": usage.prompt_tokens,
-                       "completion_tokens": usage.completion_tokens}  # fmt: skip
-            access_logger.info("%s %s %d", self.request_id, self.tenant.name, status_code,
-                               extra=fields)  # fmt: skip
-
-
 async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Upstream) -> Attempt:
     """Await `send` (an attempt at `upstream`), or abandon it once the health checks find
     the replica unresponsive (a hung process: its answer would only come at the timeout,
@@ -878,11 +722,6 @@ def _is_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _bearer_key(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    return header[7:].strip() if header.lower().startswith("bearer ") else ""
-
-
 async def _client_gone(request: Request) -> None:
     """Returns once the client has disconnected (its body was read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -891,10 +730,10 @@ async def _client_gone(request: Request) -> None:
 
 def _response_headers(attempt: Attempt, request_id: str, with_release: bool) -> dict[str, str]:
     """The replica's content headers, plus which variant and tier answered, and with
-    `with_release` which release (`GatewayService.says_release`)."""
+    `with_release` which release (`GatewayAuth.says_release`)."""
     headers = {
         **attempt.passed_headers(),
-        "x-request-id": request_id,
+        REQUEST_ID_HEADER: request_id,
         "x-modelship-variant": attempt.upstream.variant,
         TIER_HEADER: attempt.upstream.tier,
     }

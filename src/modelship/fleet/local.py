@@ -70,7 +70,7 @@ class LocalFleet:
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
         )
-        self.service.on_canary_rollback = self._auto_rollback
+        self.service.canary.on_rollback = self._auto_rollback
         self.service.on_change_adapters = self._change_adapters
         # Adapters loaded at runtime through the gateway (name -> folder): replicas started
         # from now on get them as `--lora`, like serve.loras.
@@ -238,10 +238,10 @@ class LocalFleet:
         canary = read_traffic(self.storage, self.slug).canary
         if canary is None or canary.release == production:
             self.supervisor.set_target(Track.CANARY, None)
-            self.service.set_canary_weight(0)
+            self.service.canary.set_weight(0)
         else:
             self.supervisor.set_target(Track.CANARY, self.release_spec(canary.release))
-            self.service.set_canary_weight(canary.weight)
+            self.service.canary.set_weight(canary.weight)
 
     def _auto_rollback(self, verdict: Verdict) -> None:
         logger.warning(
@@ -259,7 +259,7 @@ class LocalFleet:
         if target is not None:
             self.service.metrics.canary_rollbacks.labels(str(target.release)).inc()
         end_canary(self.storage, self.slug, reason, automatic=True)
-        self.service.set_canary_weight(0)
+        self.service.canary.set_weight(0)
         self.supervisor.set_target(Track.CANARY, None)
 
     def _golden_reference(self, release: str, variant: str) -> list[golden.GoldenAnswer] | None:

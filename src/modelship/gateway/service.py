@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -25,15 +23,14 @@ from modelship.gateway.accounting import Accounting, RequestHold
 from modelship.gateway.adapters import Action, fan_out
 from modelship.gateway.admission import AdmissionQueue
 from modelship.gateway.auth import GatewayAuth
-from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
+from modelship.gateway.canary import Track
+from modelship.gateway.canary_split import CanarySplit
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price
-from modelship.gateway.engine_load import ReplicaEngine
 from modelship.gateway.forwarding import Forwarder
-from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics
+from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics, pool_snapshot
 from modelship.gateway.pool import EndpointPool, HealthChecker
 from modelship.gateway.request import GatewayError, ParsedRequest, parse_request, unavailable
-from modelship.gateway.resilience import BreakerState
 from modelship.gateway.tenants import Tenant, TenantLimiter
 from modelship.gateway.tiers import (
     PRIMARY,
@@ -71,13 +68,6 @@ class GatewayService:
         self.limiter = TenantLimiter()
         self.admission = AdmissionQueue(config.admission)
         self.tier_names = [tier.name for tier in config.tiers]
-        # Several tenants: no one tenant's requests alone may roll a canary back.
-        self.judge = CanaryJudge(config.canary, num_tenants=len(config.tenants))
-        self.canary_weight = canary_weight
-        secret = config.canary.split_secret
-        self.split_secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
-        # Called once when the judge rolls the canary back (the fleet ends it on storage).
-        self.on_canary_rollback: Callable[[Verdict], None] | None = None
         # The local fleet's: adapters changed on the replicas it runs and those it starts.
         self.on_change_adapters: (
             Callable[[Action, dict[str, str]], Awaitable[tuple[int, dict]]] | None
@@ -86,9 +76,11 @@ class GatewayService:
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
+        self.canary = CanarySplit(config.canary, pool, self.metrics, canary_weight,
+                                  num_tenants=len(config.tenants))  # fmt: skip
         self.forwarder = Forwarder(config, pool, self.metrics, self.tracing,
                                    self.upstream_headers, bool(upstream_api_key),
-                                   self.judge_result, self.auth.says_release)  # fmt: skip
+                                   self.canary.record, self.auth.says_release)  # fmt: skip
         prices = {
             name: Price(p.input_per_1k, p.output_per_1k) for name, p in config.cost.variants.items()
         }
@@ -129,32 +121,8 @@ class GatewayService:
 
     def snapshot(self) -> FleetSnapshot:
         """Fleet gauges from the pool alone (static endpoints; `up` passes a richer one)."""
-        replicas: dict[tuple[str, str, str, str], int] = {}
-        for upstream in self.pool:
-            state = "draining" if upstream.is_draining else "ready"
-            if not upstream.is_healthy:
-                state = "unhealthy"
-            key = (str(upstream.track), upstream.release, upstream.variant, state)
-            replicas[key] = replicas.get(key, 0) + 1
-        return FleetSnapshot(
-            replicas=replicas,
-            breakers=self.breaker_states(),
-            held_by_priority=self.held_by_priority(),
-            desired_replicas={},
-            canary_weight=self.canary_weight,
-            engines=[
-                ReplicaEngine(u.endpoint_id, u.variant, u.engine_sample)
-                for u in self.pool
-                if u.engine_sample is not None
-            ],
-        )
-
-    def breaker_states(self) -> dict[tuple[str, str], str]:
-        return {(u.endpoint_id, u.release): str(u.breaker.state) for u in self.pool}
-
-    def held_by_priority(self) -> dict[str, int]:
         held = self.admission.num_held_by_priority()
-        return {priority.name.lower(): count for priority, count in held.items()}
+        return pool_snapshot(self.pool, held, self.canary.weight)
 
     # Request path ------------------------------------------------------------------------
     async def change_adapters(self, action: Action, body: dict[str, str]) -> tuple[int, dict]:
@@ -305,25 +273,9 @@ class GatewayService:
         return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
-        """The tenant's session (or user, or conversation) stays on one side of the split.
-        The key is hashed with the gateway's secret: a client choosing its session id
-        cannot aim at (or away from) the canary.
-
-        A request the split gives a canary whose every replica has its breaker open goes
-        to stable, and counts as a canary failure for the judge: the canary failed enough
-        requests in a row to be shut out, and without these the judge, starved of canary
-        results, would never reach its `min_requests` and never roll it back."""
-        if self.canary_weight <= 0:
-            return Track.STABLE
-        key = f"{tenant.name}\n{parsed.sticky_key or request_id}"
-        if not in_canary(key, self.canary_weight, self.split_secret):
-            return Track.STABLE
-        if self.pool.has_routable(Track.CANARY):
-            return Track.CANARY
-        canary = [u for u in self.pool if u.track is Track.CANARY]
-        if canary and all(u.breaker.state is BreakerState.OPEN for u in canary):
-            self.judge_result(Track.CANARY, ok=False, ttft_s=None, tenant=tenant.name)
-        return Track.STABLE
+        """The canary split's track (`CanarySplit.pick_track`) for the tenant's session (or
+        user, or conversation), else for this request alone."""
+        return self.canary.pick_track(tenant.name, parsed.sticky_key or request_id)
 
     async def _forward(
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: RequestHold, request_id: str
@@ -332,31 +284,6 @@ class GatewayService:
         tier = self.pick_tier(parsed, tenant).tier
         track = self.pick_track(parsed, tenant, request_id) if tier == PRIMARY else Track.STABLE
         return await self.forwarder.forward(path, parsed, tenant, hold, request_id, track, tier)
-
-    def judge_result(self, track: Track, ok: bool, ttft_s: float | None, tenant: str) -> None:
-        """One request's result on `track` for the canary judge; a canary's may roll it
-        back."""
-        self.judge.record(track, ok, ttft_s, tenant)
-        if track is Track.CANARY:
-            self._judge_canary()
-
-    def _judge_canary(self) -> None:
-        if not self.config.canary.auto_rollback or self.canary_weight <= 0:
-            return
-        verdict = self.judge.verdict()
-        if not verdict.rollback:
-            return
-        self.canary_weight = 0  # from this request on, nothing goes to the canary
-        logger.warning("canary rolled back: %s", verdict.reason)
-        canary_release = next((u.release for u in self.pool if u.track is Track.CANARY), "none")
-        self.metrics.canary_rollbacks.labels(canary_release).inc()
-        if self.on_canary_rollback is not None:
-            self.on_canary_rollback(verdict)
-
-    def set_canary_weight(self, weight: int) -> None:
-        if weight != self.canary_weight:
-            self.judge.reset()  # each canary is judged on its own traffic
-            self.canary_weight = weight
 
 
 async def _client_gone(request: Request) -> None:

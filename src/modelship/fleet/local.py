@@ -70,7 +70,7 @@ class LocalFleet:
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
         )
-        self.service.on_canary_rollback = self._auto_rollback
+        self.service.canary.on_rollback = self._auto_rollback
         self.service.on_change_adapters = self._change_adapters
         # Adapters loaded at runtime through the gateway (name -> folder): replicas started
         # from now on get them as `--lora`, like serve.loras.
@@ -101,7 +101,7 @@ class LocalFleet:
         self.service.metrics.fleet_registry.register(self.drift_probe)
         self._references: dict[tuple[str, str], list[golden.GoldenAnswer] | None] = {}
         self._priced: set[int] = set()
-        self.service.ledger = UsageLedger(storage.model_dir(slug) / USAGE_DIR)
+        self.service.accounting.ledger = UsageLedger(storage.model_dir(slug) / USAGE_DIR)
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
@@ -217,11 +217,11 @@ class LocalFleet:
             return
         for name, evaluation in (metrics.get("evaluations") or {}).items():
             serving = evaluation.get("serving") or {}
-            if name in self.service.prices or not serving:
+            if name in self.service.accounting.prices or not serving:
                 continue
             prompt_tokens = serving.get("prompt_tokens") or self.config.select.prompt_tokens
             try:
-                self.service.prices[name] = derive_price(
+                self.service.accounting.prices[name] = derive_price(
                     replica_hour, serving["throughput_tok_s"], prompt_tokens, serving["ttft_s"]
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -238,10 +238,10 @@ class LocalFleet:
         canary = read_traffic(self.storage, self.slug).canary
         if canary is None or canary.release == production:
             self.supervisor.set_target(Track.CANARY, None)
-            self.service.set_canary_weight(0)
+            self.service.canary.set_weight(0)
         else:
             self.supervisor.set_target(Track.CANARY, self.release_spec(canary.release))
-            self.service.set_canary_weight(canary.weight)
+            self.service.canary.set_weight(canary.weight)
 
     def _auto_rollback(self, verdict: Verdict) -> None:
         logger.warning(
@@ -259,7 +259,7 @@ class LocalFleet:
         if target is not None:
             self.service.metrics.canary_rollbacks.labels(str(target.release)).inc()
         end_canary(self.storage, self.slug, reason, automatic=True)
-        self.service.set_canary_weight(0)
+        self.service.canary.set_weight(0)
         self.supervisor.set_target(Track.CANARY, None)
 
     def _golden_reference(self, release: str, variant: str) -> list[golden.GoldenAnswer] | None:
@@ -314,8 +314,8 @@ class LocalFleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.supervisor.shutdown()
-        if self.service.ledger is not None:
-            self.service.ledger.close()
+        if self.service.accounting.ledger is not None:
+            self.service.accounting.ledger.close()
 
     def app(self) -> Starlette:
         return create_gateway_app(self.service, on_startup=[self._start], on_shutdown=[self._stop])

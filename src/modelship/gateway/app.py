@@ -52,7 +52,7 @@ def create_gateway_app(
 
     async def models(request: Request) -> Response:
         try:
-            tenant = service.authenticate(request)
+            tenant = service.auth.authenticate(request)
             return await _models_from_replica(service, tenant)
         except GatewayError as error:
             return error.response()
@@ -60,7 +60,7 @@ def create_gateway_app(
     async def change_adapters(request: Request) -> Response:
         action = "load" if request.url.path.endswith("/load_lora_adapter") else "unload"
         try:
-            service.authenticate_admin(request)
+            service.auth.authenticate_admin(request)
             body = parse_body(await request.body(), action, service.config.adapter_roots)
             status, payload = await service.change_adapters(action, body)
         except GatewayError as error:
@@ -78,7 +78,7 @@ def create_gateway_app(
 
     async def metrics(request: Request) -> Response:
         try:
-            with_requests = service.can_read_request_metrics(request)
+            with_requests = service.auth.can_read_request_metrics(request)
         except GatewayError as error:
             return error.response()
         return Response(service.metrics.render(with_requests), media_type=CONTENT_TYPE)

@@ -23,6 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from modelship.gateway.engine_load import EngineCollector, ReplicaEngine
+from modelship.gateway.pool import EndpointPool
+from modelship.gateway.tenants import Priority
 
 PREFIX = "modelship_gateway_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -44,6 +46,32 @@ class FleetSnapshot:
     desired_replicas: dict[str, int]
     canary_weight: int
     engines: list[ReplicaEngine] = field(default_factory=list)
+
+
+def pool_snapshot(
+    pool: EndpointPool, held: dict[Priority, int], canary_weight: int
+) -> FleetSnapshot:
+    """The snapshot of a pool's replicas (no desired counts: nothing scales them), with
+    the requests `held` per priority."""
+    replicas: dict[tuple[str, str, str, str], int] = {}
+    for upstream in pool:
+        state = "draining" if upstream.is_draining else "ready"
+        if not upstream.is_healthy:
+            state = "unhealthy"
+        key = (str(upstream.track), upstream.release, upstream.variant, state)
+        replicas[key] = replicas.get(key, 0) + 1
+    return FleetSnapshot(
+        replicas=replicas,
+        breakers={(u.endpoint_id, u.release): str(u.breaker.state) for u in pool},
+        held_by_priority={priority.name.lower(): count for priority, count in held.items()},
+        desired_replicas={},
+        canary_weight=canary_weight,
+        engines=[
+            ReplicaEngine(u.endpoint_id, u.variant, u.engine_sample)
+            for u in pool
+            if u.engine_sample is not None
+        ],
+    )
 
 
 class _FleetCollector(Collector):

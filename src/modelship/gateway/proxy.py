@@ -28,9 +28,10 @@ from modelship.gateway.pool import Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.resilience import Failure, FailureKind
 from modelship.gateway.usage import StreamUsage
+from modelship.request_id import REQUEST_ID_HEADER
 
 # Response headers passed back to the client (hop-by-hop and length headers are not).
-_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
+_PASSED_HEADERS = ("content-type", "retry-after", REQUEST_ID_HEADER)
 
 
 @dataclass

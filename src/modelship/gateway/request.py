@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from modelship.gateway.admission import retry_after_header
 from modelship.gateway.config import RequestLimitsConfig
 from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
+from modelship.request_id import REQUEST_ID_HEADER
 
 # Body fields only the gateway's mid-stream failover sets (`failover.py`): from a client,
 # `resume_token_ids` would be arbitrary token ids (special ones included) taken as output
@@ -49,7 +50,7 @@ class GatewayError(Exception):
         if self.retry_after_s is not None:
             headers["retry-after"] = retry_after_header(self.retry_after_s)
         if request_id:
-            headers["x-request-id"] = request_id
+            headers[REQUEST_ID_HEADER] = request_id
         return JSONResponse(body, status_code=self.status_code, headers=headers)
 
 

@@ -15,7 +15,7 @@ may take the bucket into debt; the tenant's next request then waits for it to re
 
 `max_input_tokens` is checked here only on an exact count (token-id prompts): a text's
 count is known only to the replica's tokenizer, so the gateway sends the cap along
-(`MAX_INPUT_TOKENS_HEADER`) and the replica refuses with the same 400.
+(`replica_headers.MAX_INPUT_TOKENS_HEADER`) and the replica refuses with the same 400.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import hashlib
 import hmac
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -32,11 +32,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-# Carries a tenant's `cache_salt` to the replicas (they trust it only with their API key).
-CACHE_SALT_HEADER = "x-modelship-cache-salt"
-# Carries a tenant's `max_input_tokens` to the replicas, which check it on the real count
-# (trusted only with their API key, like the salt).
-MAX_INPUT_TOKENS_HEADER = "x-modelship-max-input-tokens"
 
 
 class Priority(IntEnum):
@@ -50,6 +45,17 @@ class Priority(IntEnum):
 def hash_api_key(key: str) -> str:
     """The sha256 hex digest under which a key is configured."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def find_digest(key: str, digests: Sequence[str]) -> int | None:
+    """The index of `key`'s digest among `digests`, or None. Every digest is compared in
+    constant time and the loop never stops early, so timing says nothing about the keys."""
+    digest = hash_api_key(key).encode()
+    found = None
+    for i, candidate in enumerate(digests):
+        if hmac.compare_digest(digest, candidate.encode()):
+            found = i
+    return found
 
 
 class TenantConfig(BaseModel):
@@ -141,7 +147,8 @@ class TenantRegistry:
 
     def __init__(self, configs: Iterable[TenantConfig]) -> None:
         self._tenants: dict[str, Tenant] = {}
-        self._digests: list[tuple[bytes, Tenant]] = []
+        self._digests: list[str] = []
+        self._owners: list[Tenant] = []  # the tenant of each digest
         configs = list(configs)
         private = frozenset(name for config in configs for name in config.allowed_adapters)
         for config in configs:
@@ -150,9 +157,10 @@ class TenantRegistry:
             tenant = Tenant(config.name, config, private)
             self._tenants[config.name] = tenant
             for digest in config.api_key_sha256:
-                if any(hmac.compare_digest(digest.encode(), d) for d, _ in self._digests):
+                if digest in self._digests:  # configuration, not a secret
                     raise ValueError(f"tenant {config.name!r} reuses another tenant's key")
-                self._digests.append((digest.encode(), tenant))
+                self._digests.append(digest)
+                self._owners.append(tenant)
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -161,14 +169,9 @@ class TenantRegistry:
         return self._tenants.get(name)
 
     def authenticate(self, api_key: str) -> Tenant | None:
-        """The tenant owning `api_key`, or None. Every digest is compared in constant
-        time and the loop never stops early, so timing says nothing about the keys."""
-        digest = hash_api_key(api_key).encode()
-        found = None
-        for candidate, tenant in self._digests:
-            if hmac.compare_digest(digest, candidate):
-                found = tenant
-        return found
+        """The tenant owning `api_key`, or None (`find_digest`: constant time)."""
+        found = find_digest(api_key, self._digests)
+        return None if found is None else self._owners[found]
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from modelship.replica_headers import CACHE_SALT_HEADER, MAX_INPUT_TOKENS_HEADER
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
-
-# The tenant's prefix-cache namespace (an opaque string).
-CACHE_SALT_HEADER = "x-modelship-cache-salt"
-# The tenant's `max_input_tokens`, checked here on the prompt's real token count.
-MAX_INPUT_TOKENS_HEADER = "x-modelship-max-input-tokens"
 
 
 class InputTooLongError(BadRequestError):

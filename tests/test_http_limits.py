@@ -38,7 +38,7 @@ def gateway(replica: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
     tenants = [{"name": name, "api_key_sha256": hash_api_key(f"{TENANT_KEY}-{name}")}
                for name in ("a", "b")]  # fmt: skip
     process = GatewayProcess(tmp_path_factory.mktemp("gateway"), {"tenants": tenants},
-                             "--endpoint", replica.url)  # fmt: skip
+                             "--endpoint", replica.url, api_key=REPLICA_KEY)  # fmt: skip
     process.wait_ready(60)
     yield process
     process.stop()

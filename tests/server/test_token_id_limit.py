@@ -21,6 +21,8 @@ from server_process import ServerProcess
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
 KEY = "sk-tenant-test"
+REPLICA_KEY = "sk-replica-test"
+METRICS_KEY = "sk-metrics-test"
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -97,18 +99,30 @@ def test_prompts_within_the_bounds_are_served(replica):
 
 
 @pytest.fixture(scope="module")
-def gateway(replica: ServerProcess, tmp_path_factory: pytest.TempPathFactory):
+def gateway(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A gateway with a tenant, in front of a replica of its own: tenants need the
+    replicas' key (they trust the gateway's per-tenant settings from its holders only)."""
+    replica = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-mb", "16", timeout_s=300, api_key=REPLICA_KEY,
+    )  # fmt: skip
     config = {
         "tenants": [{"name": "a", "api_key_sha256": hash_api_key(KEY)}],
         "request_limits": {"max_prompt_tokens": MAX_MODEL_LEN},
+        "metrics_api_key_sha256": [hash_api_key(METRICS_KEY)],
     }
-    process = GatewayProcess(tmp_path_factory.mktemp("gateway"), config, "--endpoint", replica.url)
-    process.wait_ready(60)
-    yield process
-    process.stop()
+    process = GatewayProcess(tmp_path_factory.mktemp("gateway"), config, "--endpoint",
+                             replica.url, api_key=REPLICA_KEY)  # fmt: skip
+    process.metrics_key = METRICS_KEY  # the retries series moves per request
+    try:
+        process.wait_ready(60)
+        yield process
+    finally:
+        process.stop()
+        replica.stop()
 
 
-def test_a_gateway_refuses_a_prompt_over_its_bound_before_routing(replica, gateway):
+def test_a_gateway_refuses_a_prompt_over_its_bound_before_routing(gateway):
     """Without the bound, the gateway parsed and priced every id, then routed the body; a
     replica stalled by it was taken for dead and the body retried on the next."""
     auth = {"authorization": f"Bearer {KEY}"}

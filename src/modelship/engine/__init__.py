@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineDeadError": "modelship.engine.errors",
     "EngineOptions": "modelship.engine.options",
     "EngineOverloadedError": "modelship.engine.errors",
+    "EngineRequest": "modelship.engine.request",
     "InvalidParamsError": "modelship.engine.sampling_params",
     "LLMEngine": "modelship.engine.llm_engine",
     "RequestOutput": "modelship.engine.outputs",

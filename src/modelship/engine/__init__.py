@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "modelship.engine.llm",
     "AsyncLLMEngine": "modelship.engine.async_engine",
     "CompletionOutput": "modelship.engine.outputs",
+    "EngineClient": "modelship.engine.client",
     "EngineConfig": "modelship.engine.config",
     "EngineCoreClient": "modelship.engine.core",
     "EngineDeadError": "modelship.engine.errors",

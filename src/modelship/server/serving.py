@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.engine import (
-    AsyncLLMEngine,
-    EngineCoreClient,
+    EngineClient,
     EngineDeadError,
     EngineOverloadedError,
     EngineRequest,
@@ -55,7 +54,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine | EngineCoreClient,
+        engine: EngineClient,
         model_name: str,
         max_model_len: int,
         metrics: ServerMetrics,

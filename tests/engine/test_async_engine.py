@@ -12,6 +12,7 @@ from modelship.engine import (
     AsyncLLMEngine,
     EngineConfig,
     EngineDeadError,
+    EngineRequest,
     LLMEngine,
     SamplingParams,
 )
@@ -28,8 +29,16 @@ def engine(tiny_llama_dir: Path):
     engine.shutdown()
 
 
+def text_request(
+    engine: AsyncLLMEngine, request_id: str, text: str, params: SamplingParams
+) -> EngineRequest:
+    return EngineRequest(request_id, engine.tokenizer(text).input_ids, params)
+
+
 async def collect(engine: AsyncLLMEngine, request_id: str, params: SamplingParams) -> list:
-    stream = await engine.add_request(request_id, "The quick brown fox", params)
+    stream = await engine.add_request(
+        text_request(engine, request_id, "The quick brown fox", params)
+    )
     return [delta async for delta in stream]
 
 
@@ -39,18 +48,20 @@ def test_caller_cancelled_during_admission_leaves_the_engine_running(
     """A client that disconnects while its request is being admitted (the race of a server
     handler cancelled in `add_request`): the engine aborts that request and serves the next."""
     entered, release = threading.Event(), threading.Event()
-    add_request = engine.engine.add_request
+    add = engine.engine.add
 
-    def slow_add_request(request_id, *args, **kwargs):
-        if request_id == "gone":
+    def slow_add(request: EngineRequest) -> None:
+        if request.request_id == "gone":
             entered.set()
             release.wait(30)
-        return add_request(request_id, *args, **kwargs)
+        add(request)
 
-    monkeypatch.setattr(engine.engine, "add_request", slow_add_request)
+    monkeypatch.setattr(engine.engine, "add", slow_add)
 
     async def main() -> list:
-        admission = asyncio.create_task(engine.add_request("gone", "Paged attention", LONG))
+        admission = asyncio.create_task(
+            engine.add_request(text_request(engine, "gone", "Paged attention", LONG))
+        )
         assert await asyncio.to_thread(entered.wait, 30)
         admission.cancel()  # the engine thread is inside add_request: too late to un-queue
         with pytest.raises(asyncio.CancelledError):
@@ -78,18 +89,20 @@ def test_cancelled_before_the_engine_saw_it_is_never_added(
 
     monkeypatch.setattr(engine.engine, "step", blocking_step)
     added: list[str] = []
-    add_request = engine.engine.add_request
+    add = engine.engine.add
 
-    def recording_add_request(request_id, *args, **kwargs):
-        added.append(request_id)
-        return add_request(request_id, *args, **kwargs)
+    def recording_add(request: EngineRequest) -> None:
+        added.append(request.request_id)
+        add(request)
 
-    monkeypatch.setattr(engine.engine, "add_request", recording_add_request)
+    monkeypatch.setattr(engine.engine, "add", recording_add)
 
     async def main() -> list:
         busy = asyncio.create_task(collect(engine, "busy", SHORT))
         assert await asyncio.to_thread(entered.wait, 30)  # the engine thread is in a step
-        admission = asyncio.create_task(engine.add_request("gone", "Paged attention", LONG))
+        admission = asyncio.create_task(
+            engine.add_request(text_request(engine, "gone", "Paged attention", LONG))
+        )
         await asyncio.sleep(0)  # queued behind the step
         admission.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -124,6 +137,8 @@ def test_engine_thread_death_fails_open_requests_and_refuses_new_ones(
             await asyncio.wait_for(collect(engine, "open", LONG), timeout=60)
         assert engine.is_dead
         with pytest.raises(EngineDeadError):  # at once, not after a timeout
-            await asyncio.wait_for(engine.add_request("later", "x", SHORT), timeout=5)
+            await asyncio.wait_for(
+                engine.add_request(text_request(engine, "later", "x", SHORT)), timeout=5
+            )
 
     asyncio.run(main())

@@ -1,11 +1,12 @@
 """`AsyncLLMEngine`: the engine loop on its own thread, requests as async iterators of deltas.
 
 The model step is CPU/GPU-bound and blocks for milliseconds, so it runs on a dedicated
-thread; the asyncio side only exchanges small messages with it. `add_request` is resolved
-by the engine thread at the start of its next step, so admission errors
-(`EngineOverloadedError`, `RequestTooLongError`) are raised to the caller, and a request
-id is either in the engine or was never added. A caller cancelled while it waits for that
-answer aborts the request, whether or not the engine took it.
+thread; the asyncio side only exchanges small messages with it (an `EngineRequest` in,
+deltas out). `add_request` is resolved by the engine thread at the start of its next
+step, so admission errors (`EngineOverloadedError`, `RequestTooLongError`) are raised to
+the caller, and a request id is either in the engine or was never added. A caller
+cancelled while it waits for that answer aborts the request, whether or not the engine
+took it.
 
 Any unexpected exception on the engine thread (a failed step included: the KV cache and
 scheduler may be half updated) stops the engine for good: every open request fails with
@@ -30,21 +31,16 @@ from modelship.engine.config import EngineConfig
 from modelship.engine.errors import EngineDeadError, RequestFailedError
 from modelship.engine.llm_engine import LLMEngine
 from modelship.engine.outputs import EngineStats, SequenceDelta
-from modelship.engine.sampling_params import SamplingParams
+from modelship.engine.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
+    request: EngineRequest
     deliver: Callable[[SequenceDelta | BaseException], None]
     accepted: Future
-    cache_salt: str | None = None
-    lora: str | None = None
 
 
 @dataclass
@@ -108,17 +104,8 @@ class AsyncLLMEngine:
         """True once the engine thread has stopped (an error or shutdown); never false again."""
         return self._error is not None
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora: str | None = None,
-    ) -> AsyncIterator[SequenceDelta]:
+    async def add_request(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
         """Admit a request and return an iterator over its deltas (ends when all finish).
-        `lora` names a LoRA adapter the engine was started with (None: the base model).
 
         Raises the engine's admission errors here, and `EngineDeadError` once the engine
         has stopped. Closing the iterator early (e.g. the client went away) aborts the
@@ -135,16 +122,15 @@ class AsyncLLMEngine:
         with self._lock:
             if self._error is not None:
                 raise EngineDeadError(str(self._error))
-            add = _Add(request_id, prompt, params, priority, deliver, accepted, cache_salt, lora)
-            self._inbox.put(add)
+            self._inbox.put(_Add(request, deliver, accepted))
         try:
             await asyncio.wrap_future(accepted)  # raises the admission error, if any
         except asyncio.CancelledError:
             # The engine may have taken the request already (then the future could not be
             # cancelled); an abort of a request the engine never took does nothing.
-            self.abort(request_id)
+            self.abort(request.request_id)
             raise
-        return stream_deltas(deltas, params.n, lambda: self.abort(request_id))
+        return stream_deltas(deltas, request.params.n, lambda: self.abort(request.request_id))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -224,20 +210,14 @@ class AsyncLLMEngine:
             if not message.accepted.set_running_or_notify_cancel():
                 continue  # the caller went away before the engine saw the request
             # From here on the future cannot be cancelled, so setting it cannot raise.
+            request = message.request
             try:
-                self.engine.add_request(
-                    message.request_id,
-                    message.prompt,
-                    message.params,
-                    message.priority,
-                    message.cache_salt,
-                    message.lora,
-                )
-            except Exception as exc:  # the engine added nothing (add_request is atomic)
+                self.engine.add(request)
+            except Exception as exc:  # the engine added nothing (`add` is atomic)
                 message.accepted.set_exception(exc)
                 continue
-            self._sinks[message.request_id] = message.deliver
-            self._unfinished[message.request_id] = message.params.n
+            self._sinks[request.request_id] = message.deliver
+            self._unfinished[request.request_id] = request.params.n
             message.accepted.set_result(None)
             self._stats = self.engine.stats()
 

@@ -7,11 +7,15 @@ from typing import Literal
 
 import torch
 
-from modelship.engine.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from modelship.engine.speculative import SpeculativeConfig
 from modelship.model.attention import ATTENTION_BACKENDS
 from modelship.model.quant.int4 import INT4_KERNELS
 from modelship.model.quant.int8 import LM_HEADS
+
+# The largest batch a decode step replays from a captured graph (`cuda_graphs.py`'s ladder
+# ends here). Defined here, not there: cuda_graphs reads the scheduler's plan, which reads
+# this config, so the config must not import cuda_graphs.
+MAX_GRAPH_BATCH_SIZE = 256
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,13 @@ process parses, tokenizes, streams SSE and keeps metrics. They share no interpre
 the event loop never waits for the GIL in the middle of a step, and a step never waits
 for the event loop.
 
-Wire (two pipes, `multiprocessing.connection` framing, pickled tuples):
-- client -> core: `("add", request_id, token_ids, params, priority, cache_salt, lora)`,
-  `("abort", request_id)`, `("lora", call_id, method, args)` (load or unload an adapter,
-  acked like an add), `None` (shut down). The first message is
-  `(model_path, EngineConfig)`.
-- core -> client: `("ready",)` once the model is loaded, then one
-  `("step", acks, deltas, stats)` per loop turn that has news, where each ack is
-  `(request_id, error)` with error None or `(kind, message, detail)`; `("dead", message)`
+Wire (two pipes, `multiprocessing.connection` framing, the pickled dataclasses of
+`core_messages.py`):
+- client -> core: `CoreStart` (model path and `EngineConfig`) first, then `EngineRequest`
+  (admit), `AbortRequest`, `LoRACall` (load or unload an adapter, acked like an
+  admission), `None` (shut down).
+- core -> client: `CoreReady` once the model is loaded, then one `CoreStepOutput` per
+  loop turn that has news (the `Admission` answers, the deltas, the stats); `CoreDead`
   before the core exits on an internal error.
 
 A core that dies (an error, kill -9, out of memory) closes its pipe: the client fails
@@ -36,14 +35,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 from modelship.engine.async_engine import stream_deltas
 from modelship.engine.config import EngineConfig
-from modelship.engine.errors import EngineDeadError, EngineOverloadedError, RequestTooLongError
+from modelship.engine.core_messages import (
+    AbortRequest,
+    Admission,
+    CoreDead,
+    CoreReady,
+    CoreStart,
+    CoreStepOutput,
+    LoRACall,
+    WireError,
+)
+from modelship.engine.errors import EngineDeadError
 from modelship.engine.faults import REPLICA_PID_ENV
 from modelship.engine.outputs import EngineStats, SequenceDelta
-from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
+from modelship.engine.request import EngineRequest
 from modelship.engine.tokenizer import load_tokenizer
 from modelship.lifetime import die_with_parent
 
@@ -51,36 +59,6 @@ logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # a model load slower than this is a hung core
 _F_SETPIPE_SZ = 1031  # Linux fcntl command
-
-
-# Admission errors cross the pipe as (kind, message, detail): the exception classes take
-# other constructor arguments than they keep in `args`, so they do not unpickle as such.
-def _encode_error(exc: Exception) -> tuple[str, str, Any]:
-    if isinstance(exc, KeyError):  # an unknown adapter (a LoRAError is a ValueError)
-        return ("key", str(exc.args[0]) if exc.args else "", None)
-    if isinstance(exc, EngineOverloadedError):
-        return ("overloaded", exc.reason, exc.retry_after_s)
-    if isinstance(exc, InvalidParamsError):
-        return ("params", str(exc), exc.param)
-    if isinstance(exc, RequestTooLongError):
-        return ("too_long", str(exc), None)
-    if isinstance(exc, ValueError):
-        return ("value", str(exc), None)
-    return ("internal", f"{type(exc).__name__}: {exc}", None)
-
-
-def _decode_error(kind: str, message: str, detail: Any) -> Exception:
-    if kind == "key":
-        return KeyError(message)
-    if kind == "overloaded":
-        return EngineOverloadedError(message, detail)
-    if kind == "params":
-        return InvalidParamsError(detail, message)
-    if kind == "too_long":
-        return RequestTooLongError(message)
-    if kind == "value":
-        return ValueError(message)
-    return RuntimeError(message)
 
 
 # Core process ------------------------------------------------------------------------------
@@ -98,7 +76,7 @@ class EngineCore:
         while True:
             if not engine.has_unfinished():
                 self.inbox.poll(None)  # idle: sleep until a message (or EOF) arrives
-            acks: list[tuple[str, tuple | None]] = []
+            admissions: list[Admission] = []
             deltas: list[SequenceDelta] = []
             while self.inbox.poll():
                 try:
@@ -107,33 +85,32 @@ class EngineCore:
                     return
                 if message is None:
                     return
-                self._apply(message, acks, deltas)
+                self._apply(message, admissions, deltas)
             stepped = engine.has_unfinished()
             if stepped:
                 deltas.extend(engine.step())
-            if acks or deltas or stepped:  # a step without deltas still says "alive"
-                self.outbox.send(("step", acks, deltas, engine.stats()))
+            if admissions or deltas or stepped:  # a step without deltas still says "alive"
+                self.outbox.send(CoreStepOutput(admissions, deltas, engine.stats()))
 
-    def _apply(self, message: tuple, acks: list, deltas: list) -> None:
-        if message[0] == "abort":
-            deltas.extend(self.engine.abort(message[1]))
+    def _apply(
+        self,
+        message: EngineRequest | AbortRequest | LoRACall,
+        admissions: list[Admission],
+        deltas: list[SequenceDelta],
+    ) -> None:
+        if isinstance(message, AbortRequest):
+            deltas.extend(self.engine.abort(message.request_id))
             return
-        if message[0] == "lora":
-            _, call_id, method, args = message
-            try:
-                getattr(self.engine, method)(*args)  # load_lora / unload_lora
-            except Exception as exc:  # a bad folder or name: the engine is unchanged
-                acks.append((call_id, _encode_error(exc)))
-                return
-            acks.append((call_id, None))
-            return
-        _, request_id, token_ids, params, priority, cache_salt, lora = message
+        call_id = message.call_id if isinstance(message, LoRACall) else message.request_id
         try:
-            self.engine.add_request(request_id, token_ids, params, priority, cache_salt, lora)
-        except Exception as exc:  # add_request is atomic: nothing was added
-            acks.append((request_id, _encode_error(exc)))
+            if isinstance(message, LoRACall):  # load_lora(name, path) / unload_lora(name)
+                getattr(self.engine, message.method)(*message.args)
+            else:
+                self.engine.add(message)
+        except Exception as exc:  # `add` is atomic; a bad adapter folder or name changes nothing
+            admissions.append(Admission(call_id, WireError.from_exception(exc)))
             return
-        acks.append((request_id, None))
+        admissions.append(Admission(call_id))
 
 
 _CORE_MAIN = "import sys; from modelship.engine.core import main; sys.exit(main(sys.argv[1:]))"
@@ -160,22 +137,22 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s"
     )
     try:
-        model_path, config = inbox.recv()
+        start: CoreStart = inbox.recv()
     except EOFError:
         return 0
     from modelship.engine.llm_engine import LLMEngine
 
     engine = None
     try:
-        engine = LLMEngine(model_path, config)
-        outbox.send(("ready",))
+        engine = LLMEngine(start.model_path, start.config)
+        outbox.send(CoreReady())
         EngineCore(engine, inbox, outbox).run()
     except (BrokenPipeError, EOFError):  # the client has gone: nobody to report to
         return 0
     except BaseException as exc:
         logger.exception("the engine core died; the server fails its requests")
         with contextlib.suppress(OSError):
-            outbox.send(("dead", f"the engine stopped after an internal error: {exc!r}"))
+            outbox.send(CoreDead(f"the engine stopped after an internal error: {exc!r}"))
         return 1
     finally:
         if engine is not None:
@@ -216,7 +193,7 @@ class EngineCoreClient:
                 fcntl.fcntl(fd, _F_SETPIPE_SZ, 1 << 20)
         self._to_core = Connection(self._inbox_w, readable=False)
         self._from_core = Connection(self._outbox_r, writable=False)
-        self._to_core.send((self.model_path, self.config))
+        self._to_core.send(CoreStart(self.model_path, self.config))
         self.tokenizer = load_tokenizer(self.model_path)
         self.on_death: Callable[[], None] | None = None
         self._stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
@@ -267,28 +244,20 @@ class EngineCoreClient:
         """True if the core died rather than being shut down."""
         return self._crashed
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora: str | None = None,
-    ) -> AsyncIterator[SequenceDelta]:
+    async def add_request(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
         """As `AsyncLLMEngine.add_request`: admission errors are raised here."""
         await self._wait_ready()
         if self._error is not None:
             raise EngineDeadError(str(self._error))
+        request_id = request.request_id
         if request_id in self._admissions or request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
         accepted = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = accepted
-        stream = _Stream(params.n)
+        stream = _Stream(request.params.n)
         self._streams[request_id] = stream
         try:
-            self._send(("add", request_id, list(token_ids), params, priority, cache_salt, lora))
+            self._send(request)
             await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # the core may have taken it: abort is a no-op if not
@@ -298,7 +267,7 @@ class EngineCoreClient:
             raise
         finally:
             self._admissions.pop(request_id, None)
-        return stream_deltas(stream.queue, params.n, lambda: self.abort(request_id))
+        return stream_deltas(stream.queue, request.params.n, lambda: self.abort(request_id))
 
     async def load_lora(self, name: str, path: str) -> None:
         """As `AsyncLLMEngine.load_lora`, in the core process."""
@@ -321,7 +290,7 @@ class EngineCoreClient:
         done = asyncio.get_running_loop().create_future()
         self._admissions[call_id] = done
         try:
-            self._send(("lora", call_id, method, args))
+            self._send(LoRACall(call_id, method, args))
             await done
         finally:
             self._admissions.pop(call_id, None)
@@ -329,7 +298,7 @@ class EngineCoreClient:
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if self._error is None:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         """Ask the core to stop and wait for it (kill it after 30 s)."""
@@ -351,7 +320,7 @@ class EngineCoreClient:
             loop.add_reader(self._outbox_r, self._on_readable)
         await asyncio.wait_for(asyncio.shield(self._ready), _READY_TIMEOUT_S)
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: EngineRequest | AbortRequest | LoRACall) -> None:
         try:
             self._to_core.send(message)
         except OSError as exc:  # the core has gone; its EOF fails the requests
@@ -365,20 +334,19 @@ class EngineCoreClient:
             code = self._process.poll()
             self._fail(EngineDeadError(f"the engine core exited (code {code})"))
 
-    def _handle(self, message: tuple) -> None:
+    def _handle(self, message: CoreStepOutput | CoreReady | CoreDead) -> None:
         self._last_heard = time.monotonic()
-        kind = message[0]
-        if kind == "step":
-            _, acks, deltas, self._stats = message
-            for request_id, error in acks:
-                future = self._admissions.get(request_id)
+        if isinstance(message, CoreStepOutput):
+            self._stats = message.stats
+            for admission in message.admissions:
+                future = self._admissions.get(admission.call_id)
                 if future is None or future.done():
                     continue
-                if error is None:
+                if admission.error is None:
                     future.set_result(None)
                 else:
-                    future.set_exception(_decode_error(*error))
-            for delta in deltas:
+                    future.set_exception(admission.error.to_exception())
+            for delta in message.deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is None:
                     continue
@@ -387,11 +355,11 @@ class EngineCoreClient:
                     stream.unsent -= 1
                     if not stream.unsent:  # its last sequence: nothing more will come
                         del self._streams[delta.request_id]
-        elif kind == "ready":
+        elif isinstance(message, CoreReady):
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
-        elif kind == "dead":
-            self._fail(EngineDeadError(message[1]))
+        elif isinstance(message, CoreDead):
+            self._fail(EngineDeadError(message.message))
 
     def _fail(self, error: EngineDeadError, notify: bool = True) -> None:
         if self._error is not None:

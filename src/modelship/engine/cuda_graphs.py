@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from modelship.engine.config import MAX_GRAPH_BATCH_SIZE
 from modelship.model.attention import AttentionMetadata
 from modelship.model.kv_cache import KVCache
 from modelship.model.registry import CausalLM
@@ -40,8 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_BATCH_SIZE = GRAPH_BATCH_SIZES[-1]
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, MAX_GRAPH_BATCH_SIZE)
 GRAPH_CAPTURERS = ("cuda", "replay")
 # Fields of AttentionMetadata the runner keeps in static buffers; any other tensor in a
 # backend's decode metadata would go stale between replays.

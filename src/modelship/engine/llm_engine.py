@@ -29,6 +29,7 @@ from modelship.engine.faults import FaultInjection
 from modelship.engine.loras import LoRARegistry
 from modelship.engine.model_runner import ModelRunner
 from modelship.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
+from modelship.engine.request import EngineRequest
 from modelship.engine.sampler import NonFiniteLogitsError
 from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
@@ -232,13 +233,21 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora: str | None = None,
     ) -> list[int]:
-        """Queue a request and return its prompt token ids. Only requests with the same
-        `cache_salt` (a tenant's cache namespace) and LoRA adapter share prefix-cache
-        blocks. `lora` names a registered adapter (KeyError if it is not one).
+        """`add` for callers holding a text prompt (`LLM`, scripts, benchmarks): tokenizes
+        it, queues the request and returns its prompt token ids."""
+        prompt_token_ids = self.tokenize(prompt)
+        self.add(EngineRequest(request_id, prompt_token_ids, params, priority, cache_salt, lora))
+        return prompt_token_ids
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request. Only requests with the same `cache_salt` (a tenant's cache
+        namespace) and LoRA adapter share prefix-cache blocks. `lora` names a registered
+        adapter (KeyError if it is not one).
 
         All or nothing: raises `InvalidParamsError`, `EngineOverloadedError`,
         `RequestTooLongError` (or `ValueError` for a bad prompt) at once, leaving no trace.
         With `n > 1` the siblings count against the waiting limits from admission on."""
+        request_id, params = request.request_id, request.params
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         vocab_size = self.model.config.vocab_size
@@ -247,7 +256,7 @@ class LLMEngine:
             raise InvalidParamsError(
                 "n", f"n must be at most {self.config.max_waiting_requests} on this server"
             )
-        prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = list(request.prompt_token_ids)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
@@ -256,22 +265,22 @@ class LLMEngine:
             raise InvalidParamsError(
                 "num_resumed_tokens", "num_resumed_tokens must be shorter than the prompt"
             )
-        adapter = self._adapter(lora)
+        adapter = self._adapter(request.lora)
         # Everything that can fail runs before the scheduler takes the first sequence.
         seqs = [
             Sequence(
                 f"{request_id}:{i}",
                 list(prompt_token_ids),
                 params,
-                priority,
-                cache_salt,
+                request.priority,
+                request.cache_salt,
                 adapter,
                 index=i,
             )
             for i in range(params.n)
         ]
         generators = [self._make_generator(params, index) for index in range(params.n)]
-        request = _Request(
+        state = _Request(
             request_id,
             prompt_token_ids,
             params,
@@ -279,20 +288,19 @@ class LLMEngine:
             [_detokenizer(self.tokenizer, prompt_token_ids, params) for _ in seqs],
             held_back=seqs[1:],
         )
-        self.scheduler.add_request(seqs[0], num_held_back=len(request.held_back))
+        self.scheduler.add_request(seqs[0], num_held_back=len(state.held_back))
         try:
             if adapter is not None and self.loras is not None:
                 self.loras.acquire(adapter)  # released by `_forget`
-            self._requests[request_id] = request
+            self._requests[request_id] = state
             for index, seq in enumerate(seqs):
-                self._seq_owner[seq.seq_id] = (request, index)
+                self._seq_owner[seq.seq_id] = (state, index)
                 self._generators[seq.seq_id] = generators[index]
         except BaseException:  # nothing above should raise; if it does, undo the admission
             self.scheduler.abort(seqs[0].seq_id)
-            self.scheduler.drop_held_back(request.held_back)
-            self._forget(request)
+            self.scheduler.drop_held_back(state.held_back)
+            self._forget(state)
             raise
-        return prompt_token_ids
 
     def abort(self, request_id: str) -> list[SequenceDelta]:
         """Stop a request now and free its blocks; returns its final (aborted) deltas."""

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from modelship.body_limit import BodySizeLimit
-from modelship.engine import AsyncLLMEngine, EngineCoreClient, SamplingParams
+from modelship.engine import EngineClient, EngineRequest, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.chat import create_chat_completion
 from modelship.server.completions import create_completion
@@ -48,7 +48,7 @@ class ServerState:
 
 
 def create_app(
-    engine: AsyncLLMEngine | EngineCoreClient,
+    engine: EngineClient,
     model_name: str,
     *,
     variant: str = "base",
@@ -80,7 +80,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # One real step before reporting ready: weights paged in, kernels initialized.
-        stream = await engine.add_request("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=1))
+        warmup = EngineRequest("warmup", [0, 1, 2, 3], SamplingParams(max_tokens=1))
+        stream = await engine.add_request(warmup)
         async for _ in stream:
             pass
         state.ready = True

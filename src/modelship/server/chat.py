@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from modelship.engine import EngineRequest
 from modelship.server import protocol as p
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
@@ -20,18 +21,18 @@ async def create_chat_completion(
     lora = serving.adapter_of(request)
     prompt = await serving.chat_prompt(request)
     hints.check_input(len(prompt))
-    cache_salt = hints.cache_salt
-    resumed = serving.resumed_token_ids(request)
+    resumed = serving.resumed_token_ids(request)  # only a stream resumes
     params = serving.sampling_params(request, len(prompt), len(resumed))
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0
+    engine_request = EngineRequest(
+        request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora
+    )
     if request.stream:
-        deltas = serving.generate(
-            request_id, prompt + resumed, params, request.priority, cache_salt, lora
-        )
+        deltas = serving.generate(engine_request)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
         return _stream(serving, request, request_id, len(prompt), len(resumed), first, deltas)
-    choices = await serving.collect(request_id, prompt, params, request.priority, cache_salt, lora)
+    choices = await serving.collect(engine_request)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
         id=request_id,

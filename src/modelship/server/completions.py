@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from modelship.engine import EngineRequest, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 from modelship.server.gateway_hints import GatewayHints
@@ -21,15 +22,17 @@ async def create_completion(
     lora = serving.adapter_of(request)
     prompts = await serving.completion_prompts(request)
     hints.check_input(sum(len(prompt) for prompt in prompts))  # as the gateway counts them
-    cache_salt = hints.cache_salt
     resumed = serving.resumed_token_ids(request)
     params = [serving.sampling_params(request, len(prompt), len(resumed)) for prompt in prompts]
     request_id = p.random_id("cmpl")
+
+    def engine_request(engine_id: str, prompt: list[int], prm: SamplingParams) -> EngineRequest:
+        return EngineRequest(engine_id, prompt, prm, request.priority, hints.cache_salt, lora)
+
     if request.stream:
         if len(prompts) != 1:
             raise BadRequestError("streaming supports one prompt per request", "prompt")
-        prompt = prompts[0] + resumed
-        deltas = serving.generate(request_id, prompt, params[0], request.priority, cache_salt, lora)
+        deltas = serving.generate(engine_request(request_id, prompts[0] + resumed, params[0]))
         first = await anext(deltas)  # admission errors surface before any byte is sent
         return _stream(serving, request, request_id, prompts[0], len(resumed), first, deltas)
 
@@ -38,11 +41,7 @@ async def create_completion(
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [
-                group.create_task(
-                    serving.collect(
-                        f"{request_id}-{i}", prompt, prm, request.priority, cache_salt, lora
-                    )
-                )
+                group.create_task(serving.collect(engine_request(f"{request_id}-{i}", prompt, prm)))
                 for i, (prompt, prm) in enumerate(zip(prompts, params, strict=True))
             ]
     except BaseExceptionGroup as failed:

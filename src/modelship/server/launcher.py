@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from modelship.engine import AsyncLLMEngine, EngineConfig, EngineCoreClient
+from modelship.engine import AsyncLLMEngine, EngineClient, EngineConfig, EngineCoreClient
 from modelship.http_limits import uvicorn_http_options
 from modelship.logs import uvicorn_log_config
 from modelship.server.app import ServerState, create_app
@@ -71,7 +71,7 @@ def serve(
     thread of this one); if it dies, the open requests fail and the server exits 1. A step
     running past `stall_timeout_s` makes /ready and /health answer 503."""
     engine_type = EngineCoreClient if engine_process else AsyncLLMEngine
-    engine = engine_type.from_model(model_dir, engine_config)
+    engine: EngineClient = engine_type.from_model(model_dir, engine_config)
     name = served_model_name or model_dir.resolve().name
     tracer = Tracing(tracing, "modelship-replica")
     app = create_app(

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from modelship.engine import (
-    AsyncLLMEngine,
-    EngineCoreClient,
+    EngineClient,
     EngineDeadError,
     EngineOverloadedError,
+    EngineRequest,
     InvalidParamsError,
     RequestFailedError,
     RequestTooLongError,
@@ -50,11 +50,11 @@ class _Choice:
 
 
 class OpenAIServing:
-    """Serves chat and text completions for one model on one `AsyncLLMEngine`."""
+    """Serves chat and text completions for one model on one engine (either front)."""
 
     def __init__(
         self,
-        engine: AsyncLLMEngine | EngineCoreClient,
+        engine: EngineClient,
         model_name: str,
         max_model_len: int,
         metrics: ServerMetrics,
@@ -277,21 +277,12 @@ class OpenAIServing:
                 param = "top_logprobs"  # the chat API's name for the same number
             raise BadRequestError(str(exc), param) from exc
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        cache_salt: str | None = None,
-        lora: str | None = None,
-    ) -> AsyncIterator[SequenceDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
         """Admit into the engine (mapping its errors) and record metrics while streaming."""
         arrival = time.perf_counter()
+        lora = request.lora
         try:
-            stream = await self.engine.add_request(
-                request_id, prompt, params, priority, cache_salt, lora
-            )
+            stream = await self.engine.add_request(request)
         except EngineOverloadedError as exc:
             retry_after = str(max(1, round(getattr(exc, "retry_after_s", 1) or 1)))
             raise OverloadedError(str(exc), headers={"Retry-After": retry_after}) from exc
@@ -309,13 +300,13 @@ class OpenAIServing:
                                      "unloaded).", "model") from exc  # fmt: skip
         except EngineDeadError as exc:
             raise _engine_dead(exc) from exc
-        self.metrics.prompt_tokens.inc(len(prompt))
+        self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         if lora is not None:  # a served adapter's name (checked), never a client string
             self.metrics.lora_requests.labels(**self.metrics.labels, lora_name=lora).inc()
         last: dict[int, float] = {}
         # aclosing: a client that goes away closes this generator, which closes the engine
         # stream, which aborts the request and frees its KV blocks at once.
-        num_unfinished = params.n
+        num_unfinished = request.params.n
         spans = EngineSpans.start(self.tracing)  # None unless this request is traced
         try:
             async with aclosing(stream):
@@ -355,17 +346,9 @@ class OpenAIServing:
         return delta
 
     # Whole responses -------------------------------------------------------------------------
-    async def collect(
-        self,
-        request_id: str,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        cache_salt: str | None = None,
-        lora: str | None = None,
-    ) -> list[_Choice]:
-        choices = [_Choice() for _ in range(params.n)]
-        async for delta in self.generate(request_id, prompt, params, priority, cache_salt, lora):
+    async def collect(self, request: EngineRequest) -> list[_Choice]:
+        choices = [_Choice() for _ in range(request.params.n)]
+        async for delta in self.generate(request):
             choice = choices[delta.index]
             choice.text += delta.text
             choice.token_ids += delta.token_ids

@@ -24,7 +24,7 @@ def uvicorn_http_options(use_httptools: bool | None = None) -> dict[str, Any]:
     httptools behind the head counter (by default where it imports), else h11 with its
     own limit."""
     if use_httptools is None:
-        use_httptools = _can_import("httptools")
+        use_httptools = can_import("httptools")
     if use_httptools:  # by name: uvicorn imports it (it imports httptools)
         return {"http": "modelship.httptools_limited:HeadLimitedHttpToolsProtocol"}
     return {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
@@ -44,7 +44,8 @@ def head_too_large_response(default_headers: list[tuple[bytes, bytes]]) -> bytes
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def _can_import(name: str) -> bool:
+def can_import(name: str) -> bool:
+    """Whether an optional speed-up (uvloop, httptools) is installed."""
     try:
         importlib.import_module(name)
     except ImportError:

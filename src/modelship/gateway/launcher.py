@@ -11,7 +11,6 @@ less CPU than on asyncio and h11 (pure Python, the fallback where they are not i
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from modelship.gateway.service import GatewayService
-from modelship.http_limits import uvicorn_http_options
+from modelship.http_limits import can_import, uvicorn_http_options
 from modelship.logs import uvicorn_log_config
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class DrainingGateway(uvicorn.Server):
 def server_config(app: Starlette, host: str, port: int) -> uvicorn.Config:
     """uvicorn's settings for the gateway: uvloop and httptools where they import, the
     request head capped either way (`http_limits`)."""
-    fast = _can_import("uvloop") and _can_import("httptools")
+    fast = can_import("uvloop") and can_import("httptools")
     if not fast:
         logger.warning("uvloop or httptools is not installed: the gateway runs on asyncio and "
                        "h11, slower (pip install -c constraints.txt uvloop httptools)")  # fmt: skip
@@ -64,11 +63,3 @@ def run_gateway(
     app: Starlette, service: GatewayService, host: str, port: int, grace_period_s: float
 ) -> None:
     DrainingGateway(server_config(app, host, port), service, grace_period_s).run()
-
-
-def _can_import(name: str) -> bool:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        return False
-    return True

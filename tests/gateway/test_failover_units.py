@@ -16,7 +16,7 @@ def _event(chunk_id: str, ids: list[int], finish: str | None = None) -> bytes:
 
 
 def test_progress_keeps_token_ids_and_one_chunk_id_across_a_resume():
-    progress = StreamProgress()
+    progress = StreamProgress(pass_token_ids=True)
     first = _event("cmpl-a", [1, 2]) + _event("cmpl-a", [3])
     assert progress.read(first) == first  # untouched before any failover
     progress.resume()
@@ -27,7 +27,7 @@ def test_progress_keeps_token_ids_and_one_chunk_id_across_a_resume():
 
 def test_token_ids_the_gateway_asked_for_are_taken_out_of_the_clients_events():
     """Every failover-eligible stream carried them to clients that never asked."""
-    progress = StreamProgress(pass_token_ids=False)
+    progress = StreamProgress()
     passed = progress.read(_event("cmpl-a", [1, 2]) + b"data: [DONE]\n\n")
     first, done = passed.split(b"\n\n", 1)
     assert json.loads(first[6:])["choices"] == [{"index": 0, "text": "x", "finish_reason": None}]

@@ -36,9 +36,10 @@ def can_fail_over(body: dict[str, Any], num_sequences: int) -> bool:
 class StreamProgress:
     """What a stream has delivered to its client, read from whole SSE events."""
 
-    # The client asked for `token_ids` itself; else the gateway did (for this failover)
-    # and they are taken out of the events the client gets.
-    pass_token_ids: bool = True
+    # The client asked for `token_ids` itself (a direct caller: the gateway refuses that
+    # field from clients); else the gateway did, for this failover, and they are taken out
+    # of the events the client gets.
+    pass_token_ids: bool = False
     token_ids: list[int] = field(default_factory=list)
     is_finished: bool = False  # the choice's finish_reason went out
     stream_id: bytes | None = None  # the first replica's chunk id, kept for the whole stream

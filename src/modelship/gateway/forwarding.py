@@ -128,7 +128,6 @@ class Forwarder:
             and self.replicas_trust_gateway  # ours, with their key: they take the fields
             and can_fail_over(parsed.body, parsed.num_sequences)
         )
-        pass_token_ids = parsed.body.get("return_token_ids") is True  # the client's own ask
         if failover:
             parsed.set("return_token_ids", True)  # what a resuming replica is sent
         # `priority` as each engine reads it; vLLM's `cache_salt` field (wins over a client's)
@@ -181,7 +180,7 @@ class Forwarder:
                     self._resume, path, parsed, headers, track, tier, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
-                                resume, pass_token_ids)  # fmt: skip
+                                resume)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
@@ -299,7 +298,6 @@ class Forwarder:
         deadline: float,
         usage: StreamUsage,
         resume: Resume | None = None,
-        pass_token_ids: bool = True,
     ) -> StreamingResponse:
         first = attempt  # its first byte and first token came from this replica
 
@@ -330,8 +328,7 @@ class Forwarder:
             hold.end(how.status_code, first.ttft_s, used)
 
         headers = _response_headers(attempt, request_id, self.says_release(hold.tenant))
-        events = pump(attempt, deadline, usage, on_end, resume, pass_token_ids)
-        return StreamingResponse(events, headers=headers)
+        return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
 
     async def _resume(
         self,

@@ -205,8 +205,8 @@ class EndpointPool:
 
 class HealthChecker:
     """Active checks: the health path of every replica (its engine's: /ready or /health)
-    each `health_check_interval_s`, and its
-    /metrics each `metrics_scrape_interval_s` for the load other gateways put on it."""
+    each `health_check_interval_s`, and its /metrics each `metrics_scrape_interval_s` for
+    the load other gateways put on it."""
 
     def __init__(self, pool: EndpointPool, client: httpx.AsyncClient) -> None:
         self.pool = pool

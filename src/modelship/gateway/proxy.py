@@ -170,16 +170,15 @@ async def pump(
     usage: StreamUsage,
     on_end: Callable[[StreamEnd, Attempt], None],
     resume: Resume | None = None,
-    pass_token_ids: bool = True,
 ) -> AsyncIterator[bytes]:
     """Yield a streaming attempt's events to the client, read by `usage` on the way;
     `on_end(how, attempt)` runs once however the stream ends (finished, replica failed,
     deadline, client gone), with the attempt that served it last. With `resume`, a replica
     failing mid-stream is replaced by the attempt `resume` returns (None: none could);
-    the events' `token_ids` (asked for by the gateway) then reach the client only with
-    `pass_token_ids`."""
+    the events' `token_ids` (asked for by the gateway, never by a client: it may not send
+    `return_token_ids`) are then taken out of what the client gets."""
     assert attempt.response is not None and attempt.chunks is not None
-    progress = StreamProgress(pass_token_ids=pass_token_ids) if resume is not None else None
+    progress = StreamProgress() if resume is not None else None
     # Anything else that ends the generator (cancelled, or closed at a yield) is the
     # client going away.
     how = StreamEnd.CLIENT_GONE

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from modelship.gateway.admission import retry_after_header
 from modelship.gateway.config import RequestLimitsConfig
 from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
+from modelship.prompt_bounds import PromptBound, exceeded_bound
 from modelship.request_id import REQUEST_ID_HEADER
 
 # Body fields only the gateway's mid-stream failover sets (`failover.py`): from a client,
@@ -239,19 +240,15 @@ def read_prompt(prompt: object, limits: RequestLimitsConfig) -> Prompt:
 def check_prompt_lengths(prompt: list, limits: RequestLimitsConfig) -> None:
     """A list of prompts at most `max_prompts` long, token-id lists at most
     `max_prompt_tokens` (unset: unbounded here, the replicas refuse them)."""
-    is_one_prompt = not isinstance(prompt[0], str | list)
-    if not is_one_prompt and len(prompt) > limits.max_prompts:
+    exceeded = exceeded_bound(prompt, limits.max_prompts, limits.max_prompt_tokens)
+    if exceeded is PromptBound.PROMPTS:
         raise GatewayError(400, f"prompt: at most {limits.max_prompts} prompts per request.",
                            param="prompt")  # fmt: skip
-    bound = limits.max_prompt_tokens
-    if bound is None:
-        return
-    lists = [prompt] if is_one_prompt else [p for p in prompt if isinstance(p, list)]
-    if any(len(ids) > bound for ids in lists):
+    if exceeded is PromptBound.TOKEN_IDS:
         raise GatewayError(
             400,
-            f"prompt: a prompt takes at most {bound} token ids (the served model's context "
-            "length).",
+            f"prompt: a prompt takes at most {limits.max_prompt_tokens} token ids (the served "
+            "model's context length).",
             code="context_length_exceeded",
             param="prompt",
         )

@@ -179,12 +179,17 @@ def choose_tier(
     requested = need.requested
     if requested is None:
         return ruled
-    rank = {PRIMARY: 0} | {tier.name: i for i, tier in enumerate(tiers, start=1)}
+    rank = _ranks(tiers)
     if rank[requested] < rank[ruled.tier] and requested not in tenant.may_request_tiers:
         return TierDecision(ruled.tier, TierReason.DENIED)
     if loads.get(requested, TierLoad(0, 0)).routable > 0:
         return TierDecision(requested, TierReason.REQUESTED)
     return TierDecision(ruled.tier, TierReason.UNAVAILABLE)
+
+
+def _ranks(tiers: Sequence[TierConfig]) -> dict[str, int]:
+    """Each tier's rank, best first: the primary 0, then the configured order."""
+    return {PRIMARY: 0} | {tier.name: i for i, tier in enumerate(tiers, start=1)}
 
 
 def _rules_and_brownout(
@@ -196,7 +201,7 @@ def _rules_and_brownout(
     loads: Mapping[str, TierLoad],
 ) -> TierDecision:
     """Steps 1 to 3 of the module doc: the tier the request gets without naming one."""
-    rank = {PRIMARY: 0} | {tier.name: i for i, tier in enumerate(tiers, start=1)}
+    rank = _ranks(tiers)
     empty = TierLoad(0, 0)
 
     def routable(name: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from modelship.prompt_bounds import PromptBound, exceeded_bound
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 from modelship.server.limits import RequestLimitsConfig
@@ -70,15 +71,14 @@ class TokenIdLimit:
         return self._check_prompt(request.get("prompt")) or self._check_lists(request)
 
     def _check_prompt(self, prompt: object) -> BadRequestError | None:
-        if not isinstance(prompt, list) or not prompt:
+        if not isinstance(prompt, list):
             return None
-        is_one_prompt = not isinstance(prompt[0], str | list)
-        if not is_one_prompt and len(prompt) > self.limits.max_prompts:
+        exceeded = exceeded_bound(prompt, self.limits.max_prompts, self.max_model_len)
+        if exceeded is PromptBound.PROMPTS:
             return BadRequestError(
                 f"prompt takes at most {self.limits.max_prompts} prompts per request", "prompt"
             )
-        lists = [prompt] if is_one_prompt else [item for item in prompt if isinstance(item, list)]
-        if any(len(ids) > self.max_model_len for ids in lists):
+        if exceeded is PromptBound.TOKEN_IDS:
             return BadRequestError(
                 f"prompt: a prompt takes at most {self.max_model_len} token ids (this model's "
                 "maximum context length)",

@@ -32,7 +32,7 @@ UNSUPPORTED = {
     "include": "extra output data (include) is not supported",
     "reasoning": "reasoning options are not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses; use /v1/chat/completions",
-    "max_tool_calls": "tool calling is not supported on /v1/responses yet",
+    "max_tool_calls": "a bound on tool calls is not supported",
     "context_management": "context management is not supported",
     "moderation": "moderation is not supported",
     "image": "image generation is not supported",
@@ -100,14 +100,14 @@ def translate_request(body: object) -> ResponsesRequest:
         raise ResponsesRequestError("responses are not stored; send store: false", "store")
     if body.get("truncation") not in (None, "disabled"):
         raise ResponsesRequestError("only 'disabled' is supported", "truncation")
-    if body.get("tools"):
-        raise ResponsesRequestError("tool calling is not supported on /v1/responses yet", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise ResponsesRequestError(
-            "tool calling is not supported on /v1/responses yet", "tool_choice"
-        )
+    tools = _tools(body.get("tools"))
     messages = _instructions(body.get("instructions")) + _input_messages(body.get("input"))
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    if tools:
+        chat["tools"] = tools
+        chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     max_output_tokens = body.get("max_output_tokens")
     if max_output_tokens is not None:
         if isinstance(max_output_tokens, bool) or not isinstance(max_output_tokens, int):
@@ -135,29 +135,90 @@ def _instructions(instructions: object) -> list[dict[str, str]]:
     return [{"role": "system", "content": instructions}]
 
 
-def _input_messages(items: object) -> list[dict[str, str]]:
-    """`input`: a string (one user message) or a list of message items whose content is a
-    string or text parts. Other items (function calls, images, files) are refused."""
+def _input_messages(items: object) -> list[dict[str, Any]]:
+    """`input`: a string (one user message) or a list of items: messages (content a string
+    or text parts), `function_call` items (consecutive ones: one assistant turn's
+    `tool_calls`) and `function_call_output` items (tool turns). Other items (images, files,
+    reasoning) are refused."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ResponsesRequestError("a string or a non-empty list of items is required", "input")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ResponsesRequestError(f"item {i} is not an object", "input")
         kind = item.get("type", "message")
-        if kind != "message":
+        if kind == "function_call":
+            call = {
+                "id": _text_field(item, "call_id", i),
+                "type": "function",
+                "function": {
+                    "name": _text_field(item, "name", i),
+                    "arguments": _text_field(item, "arguments", i),
+                },
+            }
+            if messages and messages[-1].get("tool_calls") and not messages[-1]["content"]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, i)
+            messages.append(
+                {"role": "tool", "tool_call_id": _text_field(item, "call_id", i), "content": text}
+            )
+        elif kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise ResponsesRequestError(
+                    f"item {i}: role must be one of {', '.join(_ROLES)}", "input"
+                )
+            messages.append({"role": role, "content": _text_of(item.get("content"), i)})
+        else:
             raise ResponsesRequestError(
                 f"item {i}: items of type {kind!r} are not supported", "input"
             )
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise ResponsesRequestError(
-                f"item {i}: role must be one of {', '.join(_ROLES)}", "input"
-            )
-        messages.append({"role": role, "content": _text_of(item.get("content"), i)})
     return messages
+
+
+def _text_field(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ResponsesRequestError(f"item {i}: {name} must be a string", "input")
+    return value
+
+
+def _tools(tools: object) -> list[dict[str, Any]]:
+    """Function tools as chat tools; other kinds (web search, files, MCP...) are refused."""
+    if tools in (None, []):
+        return []
+    if not isinstance(tools, list):
+        raise ResponsesRequestError("a list of tools is required", "tools")
+    chat_tools = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ResponsesRequestError(
+                f"tool {i}: only function tools are supported, not {kind!r}", "tools"
+            )
+        function = {
+            k: tool[k]
+            for k in ("name", "description", "parameters", "strict")
+            if tool.get(k) is not None
+        }
+        chat_tools.append({"type": "function", "function": function})
+    return chat_tools
+
+
+def _tool_choice(choice: object) -> object:
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice or "auto"
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise ResponsesRequestError(
+        "none, auto, required or a function tool is required", "tool_choice"
+    )
 
 
 def _text_of(content: object, i: int) -> str:
@@ -199,26 +260,41 @@ def _response_format(text: object) -> dict[str, Any] | None:
 
 # Responses from chat answers ----------------------------------------------------------------
 def translate_response(request: ResponsesRequest, chat: dict[str, Any]) -> dict[str, Any]:
-    """A whole chat completion as a `response` object."""
+    """A whole chat completion as a `response` object: a message item for its text (if
+    any), a `function_call` item per tool call."""
     choice = chat["choices"][0]
-    text = choice["message"].get("content") or ""
-    return _response(
-        request,
-        "completed",
-        [_message(request, text, "completed")],
-        chat.get("usage"),
-        choice.get("finish_reason"),
-    )
+    message = choice["message"]
+    output = []
+    if message.get("content"):
+        output.append(_message(request, message["content"], "completed"))
+    output += [_function_call(call, "completed") for call in message.get("tool_calls") or []]
+    return _response(request, "completed", output, chat.get("usage"), choice.get("finish_reason"))
 
 
 def _message(request: ResponsesRequest, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = [_text_part(text)] if status != "in_progress" else []
     return {
         "id": request.message_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": content if text or status != "in_progress" else [],
+        "content": content,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
+    function = call["function"]
+    return {
+        "id": f"fc_{call['id']}",
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"] or "",
+        "status": status,
     }
 
 
@@ -253,7 +329,7 @@ def _response(
         "top_p": body.get("top_p"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "tool_choice": body.get("tool_choice") or "auto",
-        "tools": [],
+        "tools": body.get("tools") or [],
         "text": {"format": text_format},
         "truncation": "disabled",
         "store": False,
@@ -279,13 +355,17 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
 
 class ResponseEvents:
     """The Responses event sequence of one streamed answer, fed the chat stream's chunks:
-    created, in_progress, the message item and its text part opened, one
-    `response.output_text.delta` per chunk with text, then everything closed and
-    `response.completed` (or `response.incomplete`, or `error` + `response.failed`)."""
+    `response.created`, `response.in_progress`; the message item opened at the first text
+    (`response.output_item.added`, `response.content_part.added`) and a
+    `response.output_text.delta` per chunk with text; a tool call (whole in the chat
+    stream) as a `function_call` item with its arguments in one delta; then every open item
+    closed and `response.completed` (or `response.incomplete`; `error` +
+    `response.failed` for a stream that fails)."""
 
     def __init__(self, request: ResponsesRequest) -> None:
         self.request = request
-        self.text: list[str] = []
+        self.text: list[str] | None = None  # the message's text, once it is open
+        self.output: list[dict[str, Any]] = []  # closed items, in order
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self.sequence_number = 0
@@ -293,13 +373,9 @@ class ResponseEvents:
 
     def start(self) -> list[dict[str, Any]]:
         opening = _response(self.request, "in_progress", [], None, None)
-        item = _message(self.request, "", "in_progress")
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self._event("response.created", response=opening),
             self._event("response.in_progress", response=opening),
-            self._event("response.output_item.added", output_index=0, item=item),
-            self._event("response.content_part.added", **self._at(), part=part),
         ]
 
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -312,14 +388,20 @@ class ResponseEvents:
             self.usage = chunk["usage"]
         events = []
         for choice in chunk.get("choices") or []:
-            delta = (choice.get("delta") or {}).get("content")
-            if delta:
-                self.text.append(delta)
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._open_message()
+                self.text.append(delta["content"])  # type: ignore[union-attr]
                 events.append(
                     self._event(
-                        "response.output_text.delta", **self._at(), delta=delta, logprobs=[]
+                        "response.output_text.delta",
+                        **self._at(),
+                        delta=delta["content"],
+                        logprobs=[],
                     )
                 )
+            for call in delta.get("tool_calls") or []:
+                events += self._close_message() + self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
@@ -328,28 +410,60 @@ class ResponseEvents:
         """The closing events, once the chat stream ended (`[DONE]`)."""
         if self.ended:
             return []
+        events = self._close_message()
         self.ended = True
-        text = "".join(self.text)
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        final = _response(
-            self.request,
-            "completed",
-            [_message(self.request, text, "completed")],
-            self.usage,
-            self.finish_reason,
-        )
-        item = final["output"][0]
+        final = _response(self.request, "completed", self.output, self.usage, self.finish_reason)
         last = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return [*events, self._event(last, response=final)]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        if self.text is not None:
+            return []
+        self.text = []
+        item = _message(self.request, "", "in_progress")
         return [
+            self._event("response.output_item.added", output_index=len(self.output), item=item),
+            self._event("response.content_part.added", **self._at(), part=_text_part("")),
+        ]
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if self.text is None or self.ended:
+            return []
+        text, self.text = "".join(self.text), None
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        item = _message(self.request, text, status)
+        events = [
             self._event("response.output_text.done", **self._at(), text=text, logprobs=[]),
-            self._event("response.content_part.done", **self._at(), part=part),
-            self._event("response.output_item.done", output_index=0, item=item),
-            self._event(last, response=final),
+            self._event("response.content_part.done", **self._at(), part=_text_part(text)),
+            self._event("response.output_item.done", output_index=len(self.output), item=item),
+        ]
+        self.output.append(item)
+        return events
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        index = len(self.output)
+        item = _function_call(call, "completed")
+        at = {"item_id": item["id"], "output_index": index}
+        self.output.append(item)
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
+            self._event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+            self._event(
+                "response.function_call_arguments.done",
+                **at,
+                arguments=item["arguments"],
+                name=item["name"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
         ]
 
     def _fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         self.ended = True
-        failed = _response(self.request, "failed", [], self.usage, None)
+        failed = _response(self.request, "failed", self.output, self.usage, None)
         failed["error"] = {
             "code": error.get("code") or "server_error",
             "message": error.get("message", ""),
@@ -365,7 +479,8 @@ class ResponseEvents:
         ]
 
     def _at(self) -> dict[str, Any]:
-        return {"item_id": self.request.message_id, "output_index": 0, "content_index": 0}
+        index = len(self.output)  # the open message is the next item
+        return {"item_id": self.request.message_id, "output_index": index, "content_index": 0}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}

@@ -27,7 +27,7 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
         "--api-key",
         API_KEY,
         "--max-model-len",
-        "256",
+        "1024",
         "--kv-cache-memory-mb",
         "16",
     )
@@ -152,11 +152,16 @@ def test_a_streamed_response_sends_the_responses_event_sequence(client: openai.O
         ({"store": True}, "store"),
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}},
+            "tool_choice",
+        ),
         ({"truncation": "auto"}, "truncation"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input",
@@ -173,6 +178,72 @@ def test_what_is_not_implemented_is_a_400_naming_the_field(
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == param, error
     assert error["message"].startswith(param)
+
+
+def test_function_tools_and_call_history_reach_the_prompt(client: openai.OpenAI) -> None:
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+
+    def input_tokens(**fields) -> int:
+        response = client.responses.create(model=MODEL, max_output_tokens=1, **fields)
+        return response.usage.input_tokens  # type: ignore[union-attr]
+
+    plain = input_tokens(input=question)
+    with_tools = input_tokens(input=question, tools=[tool])
+    assert with_tools > plain + 10
+    history = [
+        *question,
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+    ]
+    assert input_tokens(input=history, tools=[tool]) > with_tools
+
+
+def test_tool_calls_stream_as_function_call_items() -> None:
+    request = responses_api.translate_request({"model": "m", "input": "hi", "stream": True})
+    events = responses_api.ResponseEvents(request)
+    kinds = [e["type"] for e in events.start()]
+    call = {
+        "index": 0,
+        "id": "call_9",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    fed = events.feed({"choices": [{"index": 0, "delta": {"content": "Checking."}}]})
+    fed += events.feed({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    fed += events.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    fed += events.finish()
+    kinds += [e["type"] for e in fed]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    final = fed[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["call_id"] == "call_9"
+    assert final["output"][1]["arguments"] == '{"city": "Oslo"}'
+    assert [e["output_index"] for e in fed if e["type"] == "response.output_item.done"] == [0, 1]
 
 
 def test_a_chat_stream_error_becomes_error_and_response_failed() -> None:

@@ -117,17 +117,18 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def _leaf_args(spec: FlagSpec, value: Any) -> Iterator[str]:
+def _leaf_args(param: str, none_as: str | None, value: Any) -> Iterator[str]:
+    flag = "--" + param.replace("_", "-")
     if value is None:
-        if spec.none_as is not None:
-            yield from (spec.flag, spec.none_as)
+        if none_as is not None:
+            yield from (flag, none_as)
     elif isinstance(value, bool):
-        yield spec.flag if value else "--no-" + spec.flag.removeprefix("--")
+        yield flag if value else "--no-" + flag.removeprefix("--")
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            yield from (spec.flag, f"{key}={item}")
+            yield from (flag, f"{key}={item}")
     else:
-        yield from (spec.flag, _format(value))
+        yield from (flag, _format(value))
 
 
 def flag_args(options: BaseModel, exclude: Collection[str] = (), prefix: str = "") -> list[str]:
@@ -145,9 +146,7 @@ def flag_args(options: BaseModel, exclude: Collection[str] = (), prefix: str = "
                 continue
             args += flag_args(value, prefix=prefix + flag.prefix)
             continue
-        spec = FlagSpec((name,), prefix + (flag.param or name), field.annotation, None, "",
-                        flag.none_as)  # fmt: skip
-        args += _leaf_args(spec, value)
+        args += _leaf_args(prefix + (flag.param or name), flag.none_as, value)
     return args
 
 

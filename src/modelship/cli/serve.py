@@ -94,6 +94,7 @@ def serve(
         stall_timeout_s=options.stall_timeout_s,
         tracing=options.tracing,
         lora_admin=options.enable_lora_admin,
+        tool_call_parser=options.tool_call_parser,
     )
     if code:
         raise typer.Exit(code)

@@ -61,6 +61,7 @@ def create_app(
     tracing: Tracing | None = None,
     adapters: Mapping[str, str] | None = None,  # name -> folder, served from the start
     lora_admin: bool = False,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -77,6 +78,7 @@ def create_app(
         limits,
         tracing,
         adapters,
+        tool_call_parser,
     )
 
     @asynccontextmanager

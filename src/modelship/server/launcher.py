@@ -64,6 +64,7 @@ def serve(
     stall_timeout_s: float = 120.0,
     tracing: TracingConfig | None = None,
     lora_admin: bool = False,
+    tool_call_parser: str = "auto",
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
     (a bound socket handed over by the parent process), listen on it instead of binding
@@ -84,6 +85,7 @@ def serve(
         tracing=tracer,
         adapters=dict(engine_config.loras) if engine_config else None,
         lora_admin=lora_admin,
+        tool_call_parser=tool_call_parser,
     )
     config = uvicorn.Config(
         app,

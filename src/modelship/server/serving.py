@@ -63,8 +63,10 @@ class OpenAIServing:
         limits: RequestLimitsConfig | None = None,
         tracing: Tracing | None = None,
         adapters: Mapping[str, str] | None = None,
+        tool_call_parser: str = "auto",  # a `tool_calls.FORMATS` name, or read from the template
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         # LoRA adapters served over the model: name -> the folder its weights came from
         # (runtime loads change it)
         self.adapters: dict[str, str] = {
@@ -141,7 +143,9 @@ class OpenAIServing:
         """The request's tools and the form the model calls them in (None without tools)."""
         if not request.tools or not getattr(self.tokenizer, "chat_template", None):
             return None
-        return tool_calls.tool_use(request, self.tokenizer.get_chat_template(None, tools=[]))
+        template = self.tokenizer.get_chat_template(None, tools=[])
+        form = tool_calls.detect_format(template) if self.tool_call_parser == "auto" else None
+        return tool_calls.tool_use(request, form or self.tool_call_parser)
 
     async def chat_prompt(
         self, request: p.ChatCompletionRequest, use: ToolUse | None = None

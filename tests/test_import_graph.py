@@ -53,6 +53,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "modelship.adapter_names",
         "modelship.body_limit",
+        "modelship.errors",
         "modelship.http_limits",
         "modelship.httptools_limited",
         "modelship.lifetime",

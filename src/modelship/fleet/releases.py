@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.errors import PipelineError
+from modelship.errors import PipelineError
 from modelship.pipeline.select.provenance import PROVENANCE_FILE, actor, artifact_identity
 from modelship.storage import Storage
 from modelship.storage.manifest import now_iso

@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("modelship.engine",),
     ("modelship.model",),
     ("modelship.golden",),
+    ("modelship.release",),
     ("modelship.autoscale",),
     ("modelship.storage",),
     # Leaf helpers shared by the fronts, the engine and the CLI.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.errors import PipelineError
-from modelship.pipeline.select.provenance import PROVENANCE_FILE, actor, artifact_identity
+from modelship.release.provenance import PROVENANCE_FILE, actor, artifact_identity
 from modelship.storage import Storage
 from modelship.storage.manifest import now_iso
 from modelship.storage.store import write_json_atomic

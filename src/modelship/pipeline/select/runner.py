@@ -29,7 +29,7 @@ from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.select import quality as q
-from modelship.pipeline.select.provenance import PROVENANCE_FILE, provenance_record
+from modelship.pipeline.select.provenance import provenance_record
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
     Gates,
@@ -40,6 +40,7 @@ from modelship.pipeline.select.scoring import (
     weights_for,
 )
 from modelship.pipeline.select.serving import Workload, measure_serving
+from modelship.release.provenance import PROVENANCE_FILE
 from modelship.storage import (
     ArtifactNotFoundError,
     Storage,

@@ -46,7 +46,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("modelship.gateway", "modelship.server"),
     ("modelship.engine",),
     ("modelship.model",),
-    ("modelship.golden",),
     ("modelship.release",),
     ("modelship.autoscale",),
     ("modelship.storage",),

@@ -7,7 +7,7 @@ revision with checksums, each variant's recipe, tool versions and checksums, the
 measurements with their 95% intervals, every gate result and score, why the winner won,
 and who published it when (`pipeline/select/provenance.py`). What happens later (canary
 weights, judge decisions, rollbacks, promotions) is appended to `traffic.json` by the
-release commands and the canary judge; `fleet.releases.release_record` joins both, so
+release commands and the canary judge; `release.traffic.release_record` joins both, so
 `modelship release show N` is one place.
 """
 

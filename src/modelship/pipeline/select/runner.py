@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
@@ -40,6 +39,7 @@ from modelship.pipeline.select.scoring import (
     weights_for,
 )
 from modelship.pipeline.select.serving import Workload, measure_serving
+from modelship.release import golden
 from modelship.release.provenance import PROVENANCE_FILE
 from modelship.storage import (
     ArtifactNotFoundError,

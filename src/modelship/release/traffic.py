@@ -99,6 +99,23 @@ def promote_canary(storage: Storage, slug: str) -> tuple[int | None, int]:
     return before, plan.canary.release
 
 
+def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
+    """Point production at release `to` (default: the newest one before the current)."""
+    current = storage.production_release(slug)
+    releases = storage.releases(slug)
+    if to is None:
+        older = [n for n in releases if current is None or n < current]
+        if not older:
+            raise PipelineError(
+                f"no release before {current} to roll back to (releases: {releases or 'none'})"
+            )
+        to = older[-1]
+    if to not in releases:
+        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
+    storage.set_production(slug, to)
+    return current, to
+
+
 def record_event(storage: Storage, slug: str, event: dict[str, Any]) -> None:
     """Append an event that does not change the canary (e.g. production pointed at an
     older release by `modelship rollback`) to the history."""

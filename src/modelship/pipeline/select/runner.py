@@ -313,20 +313,3 @@ def _score_dict(score: VariantScore) -> dict[str, Any]:
         "group_scores": score.group_scores,
         "normalized": score.normalized,
     }
-
-
-def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
-    """Point production at release `to` (default: the newest one before the current)."""
-    current = storage.production_release(slug)
-    releases = storage.releases(slug)
-    if to is None:
-        older = [n for n in releases if current is None or n < current]
-        if not older:
-            raise PipelineError(
-                f"no release before {current} to roll back to (releases: {releases or 'none'})"
-            )
-        to = older[-1]
-    if to not in releases:
-        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
-    storage.set_production(slug, to)
-    return current, to

@@ -9,7 +9,7 @@ from contextlib import aclosing
 from modelship.engine import EngineRequest
 from modelship.server import protocol as p
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
+from modelship.server.openai_translation import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 
 
 async def create_chat_completion(

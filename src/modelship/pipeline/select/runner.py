@@ -38,7 +38,7 @@ from modelship.pipeline.select.scoring import (
     score_variants,
     weights_for,
 )
-from modelship.pipeline.select.serving import Workload, measure_serving
+from modelship.pipeline.select.serving_benchmark import Workload, measure_serving
 from modelship.release import golden
 from modelship.release.provenance import PROVENANCE_FILE
 from modelship.storage import (
@@ -151,7 +151,7 @@ def select(
 
 def _measure(storage, slug, config, todo, evaluations, log) -> None:
     """Quality of each variant in turn (deterministic), then serving of all candidates
-    together in interleaved rounds (`serving`); each evaluation written when complete."""
+    together in interleaved rounds (`serving_benchmark`); each evaluation written when complete."""
     s = config.select
     evaluations_dir = storage.evaluations_dir(slug)
     base_scorer = q.Scorer(storage.base_dir(slug))

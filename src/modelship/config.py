@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.deploy.config import DeployConfig
 from modelship.engine.options import EngineOptions
-from modelship.fleet.config import SupervisorConfig
+from modelship.fleet.config import AutoscaleConfig
 from modelship.gateway.config import GatewayConfig
 from modelship.tracing import TracingConfig
 
@@ -138,7 +138,7 @@ class ModelshipConfig(Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     retries: RetryConfig = Field(default_factory=RetryConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    autoscale: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)  # gateway and replicas
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with trace ids

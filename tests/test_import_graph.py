@@ -2,10 +2,12 @@
 
 Read from the source with `ast`: imports inside functions count (a lazy import is still a
 dependency) and so do those under `if TYPE_CHECKING:` (a type a module names is one it
-depends on), except where a test says otherwise. Three rules:
+depends on), except where a test says otherwise. The rules:
 - every module belongs to one unit of `LAYERS` and imports only its own layer or the
-  layers below it;
+  layers below it; two top-level packages of one layer (pipeline and fleet, gateway and
+  server) never import each other;
 - no circle between units (packages), nor between modules;
+- the gateway loads no torch (it is a light process in front of the replicas);
 - the pure policy modules (`PURE`) do no I/O: nothing they load at run time, directly or
   through the modelship modules they import, is a network, async or filesystem module.
 """
@@ -77,6 +79,8 @@ PURE = (
     "modelship.engine.scheduler",
     "modelship.engine.block_manager",
 )
+# Light processes: what they load at run time must not reach these.
+HEAVY = {"modelship.gateway": {"torch", "transformers", "triton"}}
 IO_MODULES = {
     "httpx", "starlette", "fastapi", "uvicorn", "asyncio", "socket", "ssl", "subprocess",
     "os", "pathlib", "shutil", "tempfile", "fcntl", "io", "open()",
@@ -216,22 +220,64 @@ def test_no_engine_module_imports_itself_even_for_type_checkers() -> None:
     find_circle(graph)
 
 
+def loaded_by(starts: list[str], graph: dict[str, set[str]]) -> set[str]:
+    """`starts` and every modelship module they load at run time, transitively."""
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    return seen
+
+
+def outside_uses(module: str, modules: dict[str, Path]) -> set[str]:
+    """The top-level names of what `module` imports at run time ("open()" included)."""
+    return {name.split(".")[0] for name in imported_names(modules[module], False)}
+
+
 def test_pure_policy_modules_do_no_io() -> None:
     modules = module_names()
     graph = import_graph()
     found = []
     for pure in PURE:
-        seen, todo = set(), [pure]
-        while todo:  # everything `pure` loads at run time
-            module = todo.pop()
-            if module not in seen:
-                seen.add(module)
-                todo.extend(graph.get(module, ()))
-        for module in sorted(seen):
-            io = {name.split(".")[0] for name in imported_names(modules[module], False)}
-            if io & IO_MODULES:
-                found.append(f"{pure} loads {module}, which uses {sorted(io & IO_MODULES)}")
+        for module in sorted(loaded_by([pure], graph)):
+            if io := outside_uses(module, modules) & IO_MODULES:
+                found.append(f"{pure} loads {module}, which uses {sorted(io)}")
     assert not found, "\n".join(found)
+
+
+def test_light_processes_load_no_heavy_library() -> None:
+    modules = module_names()
+    graph = import_graph()
+    found = []
+    for package, heavy in HEAVY.items():
+        starts = [m for m in modules if m == package or m.startswith(package + ".")]
+        for module in sorted(loaded_by(starts, graph)):
+            if used := outside_uses(module, modules) & heavy:
+                found.append(f"{package} loads {module}, which uses {sorted(used)}")
+    assert not found, "\n".join(found)
+
+
+def test_packages_of_one_layer_stay_apart() -> None:
+    """Top-level packages that share a layer are alternatives or neighbours, never one
+    built on the other (what one needs from the other belongs in a layer below)."""
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+
+    def package(module: str) -> str | None:
+        name = module.split(".")[1] if module.count(".") else ""
+        return name if name in packages else None
+
+    crossing = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph(type_only=True).items()
+        for target in targets
+        if package(module) and package(target) and package(module) != package(target)
+        and unit(module) and unit(target)
+        and LAYER_OF[unit(module)] == LAYER_OF[unit(target)]
+    )  # fmt: skip
+    assert not crossing, "\n".join(crossing)
 
 
 def test_the_graph_is_read_at_all() -> None:  # the checks above would pass on an empty graph

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from modelship.fleet.metrics import FleetMetrics
-from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor, SupervisorConfig
+from modelship.fleet.supervisor import AutoscaleConfig, ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.canary import Track
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.pool import EndpointPool
@@ -87,7 +87,7 @@ def make_supervisor(tmp_path: Path, launched: list, clock: FakeClock, health: in
 
     settings = {"min_replicas": 1, "max_replicas": 1, "restart_backoff_s": 1.0, **config}
     pool = EndpointPool(GatewayConfig().resilience)
-    return Supervisor(SupervisorConfig(**settings), pool, None, launch, clock)
+    return Supervisor(AutoscaleConfig(**settings), pool, None, launch, clock)
 
 
 async def wait_ready(supervisor: Supervisor, clock: FakeClock) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from modelship.autoscale.policy import AutoscalerPolicy
-from modelship.fleet.config import SupervisorConfig
+from modelship.fleet.config import AutoscaleConfig
 from modelship.fleet.metrics import FleetMetrics
 from modelship.gateway.canary import Track
 from modelship.gateway.metrics import FleetSnapshot
@@ -96,7 +96,7 @@ class _TrackState:
 class Supervisor:
     def __init__(
         self,
-        config: SupervisorConfig,
+        config: AutoscaleConfig,
         pool: EndpointPool,
         metrics: FleetMetrics | None,
         launch: Launcher,

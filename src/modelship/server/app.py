@@ -31,8 +31,8 @@ from modelship.server.errors import (
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
+from modelship.server.openai_translation import OpenAIServing, sse
 from modelship.server.responses import create_response
-from modelship.server.serving import OpenAIServing, sse
 from modelship.server.token_limit import TokenIdLimit
 from modelship.server.tracing import TracingMiddleware
 from modelship.tracing import Tracing

@@ -10,7 +10,7 @@ from modelship.engine import EngineRequest
 from modelship.server import protocol as p
 from modelship.server import tool_calls
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
+from modelship.server.openai_translation import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 from modelship.server.tool_calls import CallParser, ToolCall, ToolUse
 
 

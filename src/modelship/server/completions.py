@@ -11,7 +11,7 @@ from modelship.engine import EngineRequest, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import SSE_DONE, OpenAIServing, sse
+from modelship.server.openai_translation import SSE_DONE, OpenAIServing, sse
 
 
 async def create_completion(

@@ -61,7 +61,8 @@ def _is_text(value: str) -> bool:
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
+    # Fields outside the spec are ignored, as OpenAI-compatible servers do (clients send
+    # extras); what happens to each of the spec's is decided in `request_fields.py`.
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -86,6 +87,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    # token id (a string, as JSON keys are) -> a bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -118,6 +121,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant's calls in the history: refused until tool calling lands (`request_fields`)
+    tool_calls: Any = None
+    function_call: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -133,6 +139,27 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted without effect or refused unless they ask for nothing (`request_fields.py`);
+    # declared so that a client's value is seen, not dropped as an unknown field.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 def _prompt_form(prompt: Any) -> str:
@@ -160,6 +187,10 @@ class CompletionRequest(_Request):
     prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
+    # candidates generated per prompt; the `n` with the highest cumulative logprob return
+    best_of: int | None = None
+    # text after the completion (fill-in-the-middle): only models with FIM tokens take it
+    suffix: str | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -25,6 +25,7 @@ from modelship.engine import (
     SequenceDelta,
 )
 from modelship.engine.outputs import TokenLogprob
+from modelship.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from modelship.server import protocol as p
 from modelship.server.errors import (
     APIError,
@@ -34,8 +35,10 @@ from modelship.server.errors import (
     OverloadedError,
     UnavailableError,
 )
+from modelship.server.fim import FimTokens
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
+from modelship.server.request_fields import refuse_unsupported
 from modelship.server.tracing import EngineSpans
 from modelship.tracing import Tracing
 
@@ -74,6 +77,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.limits = limits or RequestLimitsConfig()
         self.tokenizer = engine.tokenizer
+        self.fim = FimTokens.find(self.tokenizer)  # None: `suffix` is refused
         # One thread: a second would keep its own malloc arena, and each arena keeps the
         # peak of the largest prompt it tokenized (six threads held 1.2 GB after megabyte
         # prompts, one holds 0.3). A megabyte prompt delays the next one's tokenizing by a
@@ -88,6 +92,7 @@ class OpenAIServing:
                 f"The model `{request.model}` does not exist; this server serves {served}.",
                 param="model",
             )
+        refuse_unsupported(request)
         self.limits.check(request)
 
     async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> bool:
@@ -165,6 +170,8 @@ class OpenAIServing:
             prompts = list(prompt)
         if not prompts:
             raise BadRequestError("prompt must not be empty", "prompt")
+        if request.suffix is not None:
+            prompts = self._fim_prompts(prompts, request.suffix)
         encoded = []
         vocab_size = len(self.tokenizer)
         texts = iter(await self.encode([item for item in prompts if isinstance(item, str)]))
@@ -179,6 +186,17 @@ class OpenAIServing:
                 raise BadRequestError("prompt must not be empty", "prompt")
             encoded.append(ids)
         return encoded
+
+    def _fim_prompts(self, prompts: list[Any], suffix: str) -> list[str]:
+        if self.fim is None:
+            raise BadRequestError(
+                "suffix is not supported by this server's model (it has no fill-in-the-middle "
+                "tokens)",
+                "suffix",
+            )
+        if not all(isinstance(item, str) for item in prompts):
+            raise BadRequestError("suffix takes text prompts, not token ids", "suffix")
+        return [self.fim.prompt(item, suffix) for item in prompts]
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, tokenized on the tokenizing thread. The batch call releases
@@ -240,9 +258,14 @@ class OpenAIServing:
             if request.echo and logprobs is not None:  # lm-eval's loglikelihood requests
                 prompt_logprobs = logprobs
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        n = request.n
+        if isinstance(request, p.CompletionRequest) and request.best_of is not None:
+            n = self._best_of(request)
+            if n > request.n and logprobs is None:
+                logprobs = 0  # the candidates are ranked by their logprobs
         try:
             params = SamplingParams(
-                n=request.n,
+                n=n,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 temperature=1.0 if request.temperature is None else request.temperature,
@@ -257,6 +280,7 @@ class OpenAIServing:
                 ),
                 stop=stop,
                 stop_token_ids=list(request.stop_token_ids or []),
+                logit_bias=self._logit_bias(request.logit_bias),
                 ignore_eos=request.ignore_eos,
                 speculative=request.speculative,
                 logprobs=logprobs,
@@ -276,6 +300,39 @@ class OpenAIServing:
             if isinstance(request, p.ChatCompletionRequest) and param == "logprobs":
                 param = "top_logprobs"  # the chat API's name for the same number
             raise BadRequestError(str(exc), param) from exc
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's `logit_bias` (token ids as JSON's string keys) with int keys, each in
+        the vocabulary; the engine checks the count and the values."""
+        if not bias:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before any parsing
+            raise BadRequestError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+            )
+        vocab_size = len(self.tokenizer)
+        result = {}
+        for key, value in bias.items():
+            text = key.strip()
+            if not (text.isascii() and text.isdigit() and int(text) < vocab_size):
+                raise BadRequestError(
+                    f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias"
+                )
+            result[int(text)] = value
+        return result
+
+    def _best_of(self, request: p.CompletionRequest) -> int:
+        """The candidates to generate per prompt (`best_of`), checked: at least `n`,
+        bounded like `n`, and never streamed (only the best are returned, at the end)."""
+        best_of = request.best_of
+        assert best_of is not None
+        if best_of < request.n:
+            raise BadRequestError("best_of must be at least n", "best_of")
+        if best_of > self.limits.max_n:
+            raise BadRequestError(f"best_of must be at most {self.limits.max_n}", "best_of")
+        if request.stream and best_of > request.n:
+            raise BadRequestError("best_of cannot be used with stream", "best_of")
+        return best_of
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
         """Admit into the engine (mapping its errors) and record metrics while streaming."""

@@ -127,6 +127,8 @@ def test_fields_that_ask_for_nothing_are_accepted(client) -> None:
         extra_body={"top_k": 5, "not_in_any_spec": 1},
     )  # fmt: skip
     assert reply.choices[0].message.content is not None
+    # no `<think>` in this model's template: no reasoning fields
+    assert not reply.choices[0].message.model_extra
 
 
 def test_logit_bias_forces_and_bans_tokens(client, token_text) -> None:

@@ -14,6 +14,7 @@ from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.cli.common import CONFIG_EXIT_CODE, LogFormat, fail, setup_logging
 from modelship.engine.options import EngineOptions
 from modelship.pipeline.errors import PipelineError
+from modelship.server.reasoning import ReasoningParser
 
 app = typer.Typer()
 
@@ -221,6 +222,14 @@ def serve(
             "GIL it saves; docs/performance.md).",
         ),
     ] = EngineCorePlacement.auto,
+    reasoning_parser: Annotated[
+        ReasoningParser,
+        typer.Option(
+            help="Split <think>...</think> into reasoning_content: qwen3, deepseek_r1 (the "
+            "output starts thinking), none, or auto (qwen3 when the chat template mentions "
+            "<think>).",
+        ),
+    ] = ReasoningParser.auto,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
     from pydantic import ValidationError
@@ -296,6 +305,7 @@ def serve(
         stall_timeout_s=stall_timeout,
         tracing=tracing,
         lora_admin=enable_lora_admin,
+        reasoning_parser=reasoning_parser,
     )
     if code:
         raise typer.Exit(code)

@@ -30,6 +30,7 @@ from modelship.server.errors import (
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
+from modelship.server.reasoning import ReasoningParser
 from modelship.server.serving import OpenAIServing, sse
 from modelship.server.token_limit import TokenIdLimit
 from modelship.server.tracing import TracingMiddleware
@@ -59,6 +60,7 @@ def create_app(
     tracing: Tracing | None = None,
     adapters: Mapping[str, str] | None = None,  # name -> folder, served from the start
     lora_admin: bool = False,
+    reasoning_parser: ReasoningParser = ReasoningParser.auto,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -75,6 +77,7 @@ def create_app(
         limits,
         tracing,
         adapters,
+        reasoning_parser,
     )
 
     @asynccontextmanager

@@ -9,6 +9,7 @@ from contextlib import aclosing
 from modelship.engine import EngineRequest
 from modelship.server import protocol as p
 from modelship.server.gateway_hints import GatewayHints
+from modelship.server.reasoning import ReasoningSplitter, Split
 from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 
 
@@ -31,7 +32,10 @@ async def create_chat_completion(
     if request.stream:
         deltas = serving.generate(engine_request)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
-        return _stream(serving, request, request_id, len(prompt), len(resumed), first, deltas)
+        splitters = [serving.reasoning_splitter(prompt) for _ in range(request.n)]
+        return _stream(
+            serving, request, request_id, len(prompt), len(resumed), first, deltas, splitters
+        )
     choices = await serving.collect(engine_request)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
@@ -40,7 +44,7 @@ async def create_chat_completion(
         choices=[
             p.ChatChoice(
                 index=i,
-                message=p.ChatResponseMessage(content=c.text),
+                message=_message(serving.reasoning_splitter(prompt), c.text),
                 logprobs=serving.chat_logprobs(c.logprobs, num_top) if request.logprobs else None,
                 finish_reason=c.finish_reason,
             )
@@ -54,9 +58,29 @@ async def create_chat_completion(
     )
 
 
-async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas):
+def _message(splitter: ReasoningSplitter | None, text: str) -> p.ChatResponseMessage:
+    if splitter is None:
+        return p.ChatResponseMessage(content=text)
+    whole, rest = splitter.feed(text), splitter.finish()
+    reasoning = (whole.reasoning + rest.reasoning) or None
+    return p.ChatResponseMessage(
+        content=whole.content + rest.content, reasoning_content=reasoning, reasoning=reasoning
+    )
+
+
+def _delta(split: Split) -> p.ChatDelta:
+    """A piece of content, of reasoning, or of both (content None in a reasoning-only one)."""
+    reasoning = split.reasoning or None
+    content = split.content if split.content or reasoning is None else None
+    return p.ChatDelta(content=content, reasoning_content=reasoning, reasoning=reasoning)
+
+
+async def _stream(
+    serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas, splitters
+):
     """A resumed stream (`num_resumed` > 0) goes on where the failed one stopped: no opening
-    role chunk, and usage as one uninterrupted stream would have counted it."""
+    role chunk, and usage as one uninterrupted stream would have counted it. `splitters`:
+    per choice, its reasoning splitter (None: all text is content)."""
     created = int(time.time())
     num_top = request.top_logprobs or 0
     exclude = None if request.return_token_ids else WITHOUT_TOKEN_IDS
@@ -85,14 +109,14 @@ async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, 
             if request.logprobs and delta.logprobs:
                 logprobs = serving.chat_logprobs(delta.logprobs, num_top)
             token_ids = delta.token_ids if request.return_token_ids else None
-            if delta.text or logprobs is not None or token_ids:
-                yield chunk(
-                    delta.index,
-                    p.ChatDelta(content=delta.text),
-                    logprobs=logprobs,
-                    token_ids=token_ids,
-                )
+            splitter = splitters[delta.index]
+            split = Split(content=delta.text) if splitter is None else splitter.feed(delta.text)
+            if split.content or split.reasoning or logprobs is not None or token_ids:
+                yield chunk(delta.index, _delta(split), logprobs=logprobs, token_ids=token_ids)
             if delta.finish_reason is not None:
+                rest = Split() if splitter is None else splitter.finish()
+                if rest.content or rest.reasoning:  # a held-back tail that was no tag
+                    yield chunk(delta.index, _delta(rest))
                 yield chunk(delta.index, p.ChatDelta(), finish_reason=delta.finish_reason)
             delta = await anext(deltas, None)
     if request.stream_options and request.stream_options.include_usage:

@@ -6,7 +6,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from modelship.adapter_names import ADAPTER_NAME_PATTERN
@@ -222,7 +230,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatResponseMessage(BaseModel):
+class _Reasoning(BaseModel):
+    """A reasoning model's thinking (`server/reasoning.py`), under both names clients read;
+    left out of the JSON when there is none."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatResponseMessage(_Reasoning):
     role: str = "assistant"
     content: str
 
@@ -243,7 +267,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_Reasoning):
     role: str | None = None
     content: str | None = None
 

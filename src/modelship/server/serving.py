@@ -38,6 +38,7 @@ from modelship.server.errors import (
 from modelship.server.fim import FimTokens
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
+from modelship.server.reasoning import ReasoningParser, ReasoningSplitter
 from modelship.server.request_fields import refuse_unsupported
 from modelship.server.tracing import EngineSpans
 from modelship.tracing import Tracing
@@ -64,6 +65,7 @@ class OpenAIServing:
         limits: RequestLimitsConfig | None = None,
         tracing: Tracing | None = None,
         adapters: Mapping[str, str] | None = None,
+        reasoning_parser: ReasoningParser = ReasoningParser.auto,
     ) -> None:
         self.engine = engine
         # LoRA adapters served over the model: name -> the folder its weights came from
@@ -78,6 +80,9 @@ class OpenAIServing:
         self.limits = limits or RequestLimitsConfig()
         self.tokenizer = engine.tokenizer
         self.fim = FimTokens.find(self.tokenizer)  # None: `suffix` is refused
+        self.reasoning_parser = reasoning_parser.resolve(
+            getattr(self.tokenizer, "chat_template", None)
+        )
         # One thread: a second would keep its own malloc arena, and each arena keeps the
         # peak of the largest prompt it tokenized (six threads held 1.2 GB after megabyte
         # prompts, one holds 0.3). A megabyte prompt delays the next one's tokenizing by a
@@ -159,6 +164,14 @@ class OpenAIServing:
             raise BadRequestError(f"messages: the model's chat template refused them: {exc}",
                                   "messages") from exc  # fmt: skip
         return (await self.encode([text], add_special_tokens=False))[0]
+
+    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
+        """A splitter for one chat choice's output; None when the model does not reason."""
+        if self.reasoning_parser is ReasoningParser.none:
+            return None
+        # the generation prompt's last tokens hold a `<think>` the template opened
+        tail = self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
+        return ReasoningSplitter(self.reasoning_parser, tail)
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
@@ -458,6 +471,9 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+_PROMPT_TAIL_TOKENS = 16
 
 
 def _folder(path: str) -> str:

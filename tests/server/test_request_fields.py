@@ -163,6 +163,7 @@ def test_logit_bias_forces_and_bans_tokens(client, token_text) -> None:
         ({"abc": 1}, "'abc' is not a token id"),
         ({"-1": 1}, "'-1' is not a token id"),
         ({"100000": 1}, "'100000' is not a token id"),
+        ({"9" * 5000: 1}, "is not a token id"),  # past int()'s digit limit
     ],
 )
 def test_bad_logit_bias_is_a_400_naming_it(client, bias, fragment) -> None:

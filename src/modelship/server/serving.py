@@ -327,7 +327,10 @@ class OpenAIServing:
         result = {}
         for key, value in bias.items():
             text = key.strip()
-            if not (text.isascii() and text.isdigit() and int(text) < vocab_size):
+            # (a key of 5000 digits would overflow int()'s digit limit: no vocabulary is
+            # that large)
+            digits = text.isascii() and text.isdigit() and len(text) <= 18
+            if not (digits and int(text) < vocab_size):
                 raise BadRequestError(
                     f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias"
                 )

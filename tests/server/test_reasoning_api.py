@@ -13,6 +13,7 @@ from server_process import ServerProcess
 from tiny_models import CHAT_TEMPLATE, make_tiny_llama
 
 MODEL = "thinker"
+API_KEY = "sk-test-key"
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -30,10 +31,11 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     tokenizer.save_pretrained(folder)
     process = ServerProcess(
         folder, "--served-model-name", MODEL, "--max-model-len", "256",
-        "--kv-cache-memory-mb", "16",
+        "--kv-cache-memory-mb", "16", api_key=API_KEY,  # a key: it trusts resume_token_ids
     )  # fmt: skip
-    client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=f"{process.url}/v1", api_key=API_KEY, max_retries=0)
     client.end_think_id = tokenizer.convert_tokens_to_ids("</think>")  # type: ignore[attr-defined]
+    client.encode = tokenizer.encode  # type: ignore[attr-defined]
     yield client
     process.stop()
 
@@ -87,3 +89,18 @@ def test_stream_and_whole_response_split_the_same(client) -> None:
                       if c.choices and c.choices[0].index == choice.index]  # fmt: skip
             assert "".join(thinking(d) for d in deltas) == thinking(choice.message)
             assert "".join(d.content or "" for d in deltas) == choice.message.content
+
+
+def test_a_resumed_stream_goes_on_in_the_state_the_failed_one_left(client) -> None:
+    """The gateway's failover resumes a stream with the ids already sent: after a
+    `</think>` among them, the continuation is content, not reasoning."""
+    sent = client.encode("so</think>", add_special_tokens=False)
+    assert client.end_think_id in sent
+    bias = {str(client.end_think_id): -100}
+    chunks = client.chat.completions.create(
+        **KWARGS, max_tokens=len(sent) + 6, logit_bias=bias, stream=True,
+        extra_body={"resume_token_ids": sent},
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas)
+    assert not any(thinking(d) for d in deltas)

@@ -32,7 +32,7 @@ async def create_chat_completion(
     if request.stream:
         deltas = serving.generate(engine_request)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
-        splitters = [serving.reasoning_splitter(prompt) for _ in range(request.n)]
+        splitters = [serving.reasoning_splitter(prompt, resumed) for _ in range(request.n)]
         return _stream(
             serving, request, request_id, len(prompt), len(resumed), first, deltas, splitters
         )

@@ -165,13 +165,22 @@ class OpenAIServing:
                                   "messages") from exc  # fmt: skip
         return (await self.encode([text], add_special_tokens=False))[0]
 
-    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
-        """A splitter for one chat choice's output; None when the model does not reason."""
+    def reasoning_splitter(
+        self, prompt: list[int], resumed: list[int] | None = None
+    ) -> ReasoningSplitter | None:
+        """A splitter for one chat choice's output; None when the model does not reason.
+        `resumed`: the output a failed replica already streamed, split there: fed first,
+        so the splitter goes on in the state it left (a `</think>` already sent makes the
+        rest content, and a tail it held back is sent now)."""
         if self.reasoning_parser is ReasoningParser.none:
             return None
         # the generation prompt's last tokens hold a `<think>` the template opened
         tail = self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
-        return ReasoningSplitter(self.reasoning_parser, tail)
+        splitter = ReasoningSplitter(self.reasoning_parser, tail)
+        if resumed:
+            # as the engine detokenized it (special tokens skipped); sent already: dropped
+            splitter.feed(self.tokenizer.decode(resumed, skip_special_tokens=True))
+        return splitter
 
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
         prompt = request.prompt

@@ -87,7 +87,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [TOOL], "parallel_tool_calls": True}, "tools"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-        ({"function_call": "auto"}, "function_call"),
+        ({"function_call": {"name": "f"}}, "function_call"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"store": True}, "store"),
@@ -120,7 +120,7 @@ def test_tool_calls_in_the_history_are_refused(client) -> None:
 
 def test_fields_that_ask_for_nothing_are_accepted(client) -> None:
     reply = chat(
-        client, tools=[], tool_choice="none", parallel_tool_calls=False, store=False,
+        client, tools=[], tool_choice="auto", parallel_tool_calls=False, store=False,
         metadata={"k": "v"}, user="u1", safety_identifier="s1", service_tier="auto",
         modalities=["text"], prompt_cache_key="k", seed=3,
         prediction={"type": "content", "content": "hello"},

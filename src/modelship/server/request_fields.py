@@ -10,9 +10,9 @@ do (SDKs and frameworks send their own extras), except the vLLM extensions liste
 `VLLM_EXTRAS` and modelship's own in `MODELSHIP_EXTRAS`, which are implemented.
 
 A refused field is allowed when its value asks for nothing (`tools: []`,
-`tool_choice: "none"`, `store: false`, `modalities: ["text"]`...): SDKs and frameworks send
-those by default. When tool calling lands, `TOOL_FIELDS` empties and the fields move to
-`IMPLEMENTED`.
+`tool_choice: "none"` or `"auto"`, `store: false`, `modalities: ["text"]`...): SDKs and
+frameworks send those by default. When tool calling lands, `TOOL_FIELDS` empties and the
+fields move to `IMPLEMENTED`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ COMPLETION_SPEC_FIELDS = frozenset({
 })  # fmt: skip
 
 # Implemented as OpenAI documents them. `suffix` only on models with fill-in-the-middle
-# tokens (a 400 naming it elsewhere, `fim.py`); `best_of` ranks by cumulative logprob.
+# tokens (`fim.py`; a 400 naming it on other models); `best_of` ranks by cumulative logprob.
 IMPLEMENTED = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -77,16 +77,17 @@ def _empty(value: Any) -> bool:
     return value is None or value == []
 
 
-def _none_choice(value: Any) -> bool:
-    return value is None or value == "none"
+def _free_choice(value: Any) -> bool:
+    # "auto" asks for nothing without tools (and with tools, `tools` is refused first)
+    return value in (None, "none", "auto")
 
 
 _TOOLS_REASON = "tool calling is not supported yet"
 _TOOL_REFUSALS = {
     "tools": Refusal(_TOOLS_REASON, _empty),
-    "tool_choice": Refusal(_TOOLS_REASON, _none_choice),
+    "tool_choice": Refusal(_TOOLS_REASON, _free_choice),
     "functions": Refusal(_TOOLS_REASON, _empty),
-    "function_call": Refusal(_TOOLS_REASON, _none_choice),
+    "function_call": Refusal(_TOOLS_REASON, _free_choice),
 }
 # Refused until tool calling lands; then this becomes `frozenset()` (messages' `tool_calls`
 # are let through with it) and the names move to IMPLEMENTED.
@@ -115,6 +116,7 @@ MODELSHIP_EXTRAS = frozenset({"priority", "speculative", "return_token_ids", "re
 
 def refuse_unsupported(request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
     """Raise `BadRequestError` naming the first refused field the request asks for."""
+    # sorted, `tools` after `tool_choice`: a request with both is refused naming the choice
     for name in sorted(request.model_fields_set & REFUSED.keys()):
         refusal = REFUSED[name]
         if not refusal.asks_nothing(getattr(request, name)):

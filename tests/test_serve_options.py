@@ -73,6 +73,7 @@ def every_field_set(tiny_llama_dir: Path, tmp_path: Path) -> ServeOptions:
                  "file": tmp_path / "spans.jsonl"},
         engine_core="thread",
         tool_call_parser="llama3_json",
+        reasoning_parser="qwen3",
     )  # fmt: skip
 
 

@@ -66,8 +66,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+        (
+            "/v1/chat/completions",
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
         ("/v1/chat/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
         ("/v1/chat/completions", {"store": True}, "store"),
         ("/v1/completions", {"suffix": "b"}, "suffix"),

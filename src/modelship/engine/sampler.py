@@ -1,10 +1,12 @@
 """Sampling as pure functions over logits and per-row tensors, with an explicit greedy path.
 
-Order: penalties -> logprobs (of the penalized distribution, before temperature and
-filters: the model's view, as OpenAI-style APIs report it) -> greedy rows take the argmax;
-random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row
-draws its noise from its own generator, so a seeded request samples the same tokens
-whatever else shares its batch.
+Order: the grammar mask (structured outputs: a token the grammar forbids gets -inf, so
+every later step and the reported logprobs see the constrained distribution) ->
+penalties -> logprobs (of the penalized distribution, before temperature and filters: the
+model's view, as OpenAI-style APIs report it) -> greedy rows take the argmax; random
+rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row draws
+its noise from its own generator, so a seeded request samples the same tokens whatever
+else shares its batch.
 
 A row whose own logits (before the request's penalties) hold a NaN, or whose largest logit
 is infinite, has no distribution to sample from (broken weights or an overflow): `sample`
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from modelship.engine.sampling_params import SamplingParams
+
+# What a token the grammar forbids reports as its logprob (JSON has no -inf); vLLM's value.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -44,6 +49,9 @@ class SamplingMetadata:
     needs_top_p: bool
     needs_min_p: bool
     max_num_logprobs: int  # -1: no row asked for logprobs
+    # [batch, ceil(vocab / 32)] int32, bit t of row r set iff token t is allowed (grammar
+    # constraints, `engine.structured`); None: every token allowed in every row
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -122,6 +130,15 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> torch.
                 padded[row, : len(ids)] = torch.tensor(ids, device=device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where `bitmask` ([batch, ceil(vocab / 32)] int32) has a clear bit."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    # [batch, words, 32] -> [batch, words * 32], trimmed to the vocabulary
+    allowed = (bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1
+    allowed = allowed.flatten(1)[:, : logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -208,11 +225,15 @@ def sample(
     nonfinite_rows = broken.nonzero().flatten().tolist() if broken.any() else []
     if nonfinite_rows:  # sample the others; these rows' tokens are never used
         logits = logits.masked_fill(broken.unsqueeze(1), 0.0)
+    if m.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, m.token_bitmask)
     logits, scaled = process_logits(logits, m)
     logprobs = top_ids = top_values = None
     greedy_tokens = logits.argmax(dim=-1)
     if m.max_num_logprobs >= 0:
         all_logprobs = logits.log_softmax(dim=-1)
+        if m.token_bitmask is not None:  # a masked token's -inf is no JSON number
+            all_logprobs = all_logprobs.clamp(min=MIN_LOGPROB)
     if scaled is None:
         token_ids = greedy_tokens
     else:

@@ -10,6 +10,7 @@ from modelship.engine import EngineRequest
 from modelship.server import protocol as p
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
+from modelship.server.structured_outputs import grammar_spec
 
 
 async def create_chat_completion(
@@ -19,6 +20,7 @@ async def create_chat_completion(
     serving.check_request(request)
     hints.check_fields(request)
     lora = serving.adapter_of(request)
+    constraint = grammar_spec(request)
     prompt = await serving.chat_prompt(request)
     hints.check_input(len(prompt))
     resumed = serving.resumed_token_ids(request)  # only a stream resumes
@@ -26,7 +28,7 @@ async def create_chat_completion(
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0
     engine_request = EngineRequest(
-        request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora
+        request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora, constraint
     )
     if request.stream:
         deltas = serving.generate(engine_request)

@@ -207,12 +207,35 @@ def test_unsupported_schemas_are_refused_naming_the_field(llm, schema, fragment)
     assert admitted.value.param == "response_format" and not llm.engine.has_unfinished()
 
 
-def test_equal_specs_compile_once(llm) -> None:
+def test_equal_specs_compile_once_and_keep_property_order(llm) -> None:
     grammars = llm.engine.grammars
     before = grammars.num_cached
-    grammars.matcher(GrammarSpec.json_schema({"type": "object", "required": ["b", "a"]}))
-    grammars.matcher(GrammarSpec.json_schema({"required": ["b", "a"], "type": "object"}))
+    schema = {"type": "object", "properties": {"z": {"type": "null"}, "a": {"type": "null"}},
+              "required": ["z", "a"], "additionalProperties": False}  # fmt: skip
+    grammars.matcher(GrammarSpec.json_schema(schema))
+    matcher = grammars.matcher(GrammarSpec.json_schema(json.loads(json.dumps(schema))))
     assert grammars.num_cached == before + 1
+    tokens = llm.tokenizer.encode('{"z":null,"a":null}', add_special_tokens=False)
+    assert all(matcher.accept(t) for t in tokens)  # z before a, as the schema lists them
+
+
+def test_a_wrapped_byte_level_decoder_still_reads_as_bytes(tiny_llama_dir, tmp_path) -> None:
+    """A GGUF-converted tokenizer.json wraps ByteLevel in a decoder Sequence (the demo
+    model's): a "Ġ" token must still be a space to the grammar."""
+    from modelship.engine.structured import GrammarCompiler
+    from modelship.engine.tokenizer import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"},
+                       {"type": "Fuse"}, data["decoder"]]}  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    tokenizer = load_tokenizer(tmp_path)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    matcher = compiler.matcher(GrammarSpec.json_schema(PERSON))
+    answer = '{"name": "ab", "age": 7, "admin": true}'
+    assert all(matcher.accept(t) for t in tokenizer.encode(answer, add_special_tokens=False))
 
 
 # Property: schemas from a supported subset; every finished output validates -------------

@@ -40,8 +40,9 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> GrammarSpec:
-        """Keys sorted: equal schemas share one compiled grammar."""
-        return cls("json_schema", json.dumps(schema, sort_keys=True), param)
+        """Keys stay in the client's order: the output's properties follow the schema's
+        `properties` order (as OpenAI's do), so sorting them would change the grammar."""
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
     @classmethod
     def choice(cls, choices: list[str], param: str = "guided_choice") -> GrammarSpec:

@@ -29,6 +29,7 @@ against the matcher and rolling it back is left for later.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -103,8 +104,8 @@ class GrammarCompiler:
             backend.no_padding()
             backend.no_truncation()
             eos = self.eos_token_ids or [self.tokenizer.eos_token_id]
-            self._lltokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                            eos_token=eos)  # fmt: skip
+            self._lltokenizer = LLTokenizer(llguidance_tokenizer_json(backend.to_str()),
+                                            n_vocab=self.vocab_size, eos_token=eos)  # fmt: skip
         return self._lltokenizer
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
@@ -134,6 +135,22 @@ class GrammarCompiler:
                         "resume_token_ids", f"resume_token_ids do not match {spec.param}"
                     )
             seq.grammar = grammar
+
+
+def llguidance_tokenizer_json(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance must read it. llguidance knows a byte-level vocabulary
+    ("Ġ" for a space byte) only by a top-level ByteLevel decoder; a GGUF-converted
+    tokenizer (the demo model's) wraps it in a Sequence with ByteFallback, Fuse and Replace
+    steps, which then made every "Ġ" token the literal bytes of "Ġ" to the grammar (no
+    JSON with a space could be sampled). The wrapped ByteLevel alone decodes the same."""
+    data = json.loads(tokenizer_json)
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            data["decoder"] = byte_level[0]
+            return json.dumps(data)
+    return tokenizer_json
 
 
 class BitmaskFiller:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from server_process import ServerProcess
 
 MODEL = "tiny"
+API_KEY = "sk-structured"
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
@@ -39,6 +40,8 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
         "512",
         "--kv-cache-memory-mb",
         "16",
+        "--api-key",
+        API_KEY,  # resume_token_ids and return_token_ids are the gateway's, trusted by key
     )
     yield process
     process.stop()
@@ -46,7 +49,7 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
@@ -176,3 +179,34 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param, fragmen
         )
     error = info.value.body
     assert error["param"] == param and fragment in error["message"], error
+
+
+def stream_ids(client: openai.OpenAI, **extra) -> tuple[str, list[int], str | None]:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "p", "schema": PERSON_SCHEMA}}, **extra},
+    )  # fmt: skip
+    text, ids, finish = "", [], None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            ids += getattr(chunk.choices[0], "token_ids", None) or []
+            finish = chunk.choices[0].finish_reason or finish
+    return text, ids, finish
+
+
+def test_a_resumed_stream_continues_inside_the_grammar(client: openai.OpenAI) -> None:
+    """What the gateway sends on failover: the same body plus the ids already streamed;
+    the replica's matcher starts after them, so the two halves make the whole answer."""
+    whole, ids, finish = stream_ids(client)
+    assert finish == "stop"
+    Person.model_validate_json(whole)
+    k = len(ids) // 2
+    rest, rest_ids, rest_finish = stream_ids(client, resume_token_ids=ids[:k])
+    assert rest_ids == ids[k:] and rest_finish == "stop"
+    assert whole.endswith(rest)

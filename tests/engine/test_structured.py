@@ -12,13 +12,14 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer
 
 from modelship import LLM, SamplingParams
 from modelship.engine import EngineRequest, GrammarSpec, InvalidParamsError
-from modelship.engine.sampler import MIN_LOGPROB
+from modelship.engine.sampler import MIN_LOGPROB, apply_token_bitmask
 from modelship.engine.speculative import SpeculativeConfig
 
 PERSON = {
@@ -236,6 +237,25 @@ def test_a_wrapped_byte_level_decoder_still_reads_as_bytes(tiny_llama_dir, tmp_p
     matcher = compiler.matcher(GrammarSpec.json_schema(PERSON))
     answer = '{"name": "ab", "age": 7, "admin": true}'
     assert all(matcher.accept(t) for t in tokenizer.encode(answer, add_special_tokens=False))
+
+
+def ref_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        for token in range(logits.shape[1]):
+            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                out[row, token] = float("-inf")
+    return out
+
+
+def test_apply_token_bitmask_equals_the_reference() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 100, generator=generator)  # 100: not a multiple of 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=generator)
+    bitmask[1] = -1  # every token allowed
+    assert torch.equal(
+        apply_token_bitmask(logits, bitmask), ref_apply_token_bitmask(logits, bitmask)
+    )
 
 
 # Property: schemas from a supported subset; every finished output validates -------------

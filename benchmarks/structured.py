@@ -7,7 +7,8 @@ Serving: `modelship serve` on the demo model (base variant), the loadgen workloa
 (streaming /v1/completions, 128-token prompts, exactly 64 output tokens, greedy) at each
 concurrency, once free and once with `response_format` json_schema. The schema asks for at
 least 8 {name, age} objects, so no constrained answer can end before 64 tokens: both runs
-produce the same number of tokens. The first constrained request with a new schema pays its
+produce the same number of tokens. Every run has its own prompts (no prefix-cache hits
+from an earlier run). The first constrained request with a new schema pays its
 compile; its TTFT against a second request with the same schema is the server-side view.
 
 In process (the engine's own `GrammarCompiler` and `BitmaskFiller` on the demo tokenizer):
@@ -123,7 +124,10 @@ def main() -> None:
 
     levels = [int(x) for x in args.levels.split(",")]
     tokenizer = load_tokenizer(model_dir)
-    prompts = make_prompts(tokenizer, 2 * max(levels) + 8, 128, args.seed)
+    # distinct prompts for every run: none may hit the prefix cache another run filled
+    per_run = 2 * max(levels) + 8
+    prompts = make_prompts(tokenizer, 2 * len(levels) * per_run + 1, 128, args.seed)
+    runs = iter(range(0, 2 * len(levels) * per_run, per_run))
     url, model = f"http://127.0.0.1:{args.port}", "smollm2"
     command = [sys.executable, "-m", "modelship", "serve", str(model_dir), "--port",
                str(args.port), "--served-model-name", model]  # fmt: skip
@@ -135,9 +139,9 @@ def main() -> None:
         for level in levels:
             count = max(8, 2 * level)
             for name, extra in (("free", None), ("json_schema", json_schema_format(SCHEMA))):
-                result = asyncio.run(
-                    run_level(url, model, prompts[:count], level, args.output_tokens, extra)
-                )
+                first = next(runs)
+                batch = prompts[first : first + count]
+                result = asyncio.run(run_level(url, model, batch, level, args.output_tokens, extra))
                 row = {"workload": name, **result.to_dict()}
                 tok_s, itl, ttft = row["output_tok_s"], row["itl_p50_ms"], row["ttft_p50_ms"]
                 print(f"{name:<14}{level:>5}{tok_s:>10.1f}{itl:>10.1f}{ttft:>10.0f}", flush=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from modelship.engine.sampling_params import SamplingParams
@@ -133,12 +134,12 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> torch.
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """-inf where `bitmask` ([batch, ceil(vocab / 32)] int32) has a clear bit."""
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    # [batch, words, 32] -> [batch, words * 32], trimmed to the vocabulary
-    allowed = (bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1
-    allowed = allowed.flatten(1)[:, : logits.shape[1]].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    """-inf where `bitmask` ([batch, ceil(vocab / 32)] int32, on the CPU) has a clear bit.
+    Unpacked by numpy (bit t of a little-endian int32 word is byte t // 8's bit t % 8):
+    torch's shifts over [batch, words, 32] took 12 ms a row on a 49k vocabulary."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, : logits.shape[1]].astype(bool))  # [batch, vocab]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:

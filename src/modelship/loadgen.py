@@ -51,9 +51,16 @@ def make_prompts(tokenizer, count: int, prompt_tokens: int, seed: int) -> list[s
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> dict:
+    """`extra`: more body fields (a `response_format`, say)."""
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -93,7 +100,12 @@ async def one_request(
 
 
 async def run_level(
-    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> LevelResult:
     """Send every prompt, `concurrency` at a time; failed requests are counted, not hidden."""
     queue = list(prompts)
@@ -109,7 +121,7 @@ async def run_level(
             while queue:
                 prompt = queue.pop()
                 try:
-                    results.append(await one_request(client, url, model, prompt, max_tokens))
+                    results.append(await one_request(client, url, model, prompt, max_tokens, extra))
                 except httpx.HTTPError:
                     failed += 1
 

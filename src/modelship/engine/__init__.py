@@ -20,6 +20,7 @@ _EXPORTS = {
     "EngineOptions": "modelship.engine.options",
     "EngineOverloadedError": "modelship.engine.errors",
     "EngineRequest": "modelship.engine.request",
+    "GrammarSpec": "modelship.engine.grammar_spec",
     "InvalidParamsError": "modelship.engine.sampling_params",
     "LLMEngine": "modelship.engine.llm_engine",
     "RequestOutput": "modelship.engine.outputs",

@@ -35,6 +35,7 @@ from modelship.engine.sampling_params import InvalidParamsError, SamplingParams
 from modelship.engine.scheduler import Scheduler
 from modelship.engine.sequence import Sequence
 from modelship.engine.speculative import SpeculationTracker, accepted_prefix
+from modelship.engine.structured import GrammarCompiler
 from modelship.engine.tensor_parallel import (
     ParallelModel,
     TensorParallelGroup,
@@ -138,6 +139,8 @@ class LLMEngine:
                 self.tp_group.close()
                 raise
             self.model = ParallelModel(self.model, self.tp_group)
+        # structured outputs: each request's grammar, compiled once per distinct spec
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, eos_token_ids)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.config,
@@ -279,6 +282,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if request.constraint is not None:  # a matcher per sequence, past resumed tokens
+            resumed = prompt_token_ids[len(prompt_token_ids) - params.num_resumed_tokens :]
+            self.grammars.attach(seqs, request.constraint, resumed)
         generators = [self._make_generator(params, index) for index in range(params.n)]
         state = _Request(
             request_id,

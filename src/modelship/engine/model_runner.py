@@ -14,6 +14,7 @@ from modelship.engine.sampler import SamplerOutput, SamplingMetadata, sample
 from modelship.engine.scheduler import SchedulerOutput
 from modelship.engine.sequence import Sequence
 from modelship.engine.speculative import DraftCheck, verify_draft_probs
+from modelship.engine.structured import BitmaskFiller, grammar_rows
 from modelship.model.attention import AttentionMetadata
 from modelship.model.kv_cache import KVCache
 from modelship.model.registry import CausalLM
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.config.vocab_size
         self.graph_runner = graph_runner
+        self._bitmasks: BitmaskFiller | None = None  # made at the first constrained step
 
     def prepare_inputs(
         self, plan: SchedulerOutput
@@ -145,6 +147,12 @@ class ModelRunner:
         )
         row_starts = list(accumulate((1 + len(seq.draft_token_ids) for seq in sampled_seqs),
                                      initial=0))  # fmt: skip
+        constrained = grammar_rows(sampled_seqs, row_starts)
+        if constrained:  # structured outputs: the tokens each grammar allows next
+            self._bitmasks = self._bitmasks or BitmaskFiller()
+            metadata.token_bitmask = self._bitmasks.fill(
+                constrained, row_starts[-1], self.vocab_size
+            )
         # Drafts that come with a draft model's probabilities: the speculative-sampling rule
         checks = [
             DraftCheck(start, seq.draft_token_ids, seq.draft_probs, generators.get(seq.seq_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelship.engine.grammar_spec import GrammarSpec
 from modelship.engine.sampling_params import SamplingParams
 
 
@@ -20,7 +21,8 @@ class EngineRequest:
 
     Prefix-cache blocks are shared only between requests with the same `cache_salt` (a
     tenant's cache namespace) and the same `lora` (the name of a LoRA adapter the engine
-    holds; None for the base model)."""
+    holds; None for the base model). `constraint`: what the output must match (structured
+    outputs, `engine.structured`); None for free text."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -28,3 +30,4 @@ class EngineRequest:
     priority: int = 0  # higher is served first
     cache_salt: str | None = None
     lora: str | None = None
+    constraint: GrammarSpec | None = None

@@ -1,6 +1,8 @@
 """Sampling as pure functions over logits and per-row tensors, with an explicit greedy path.
 
-Order: logit bias -> penalties -> logprobs (of the penalized distribution, before temperature and
+Order: the grammar mask (structured outputs: a token the grammar forbids gets -inf, so
+every later step and the reported logprobs see the constrained distribution) -> logit
+bias -> penalties -> logprobs (of the penalized distribution, before temperature and
 filters: the model's view, as OpenAI-style APIs report it) -> greedy rows take the argmax;
 random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row
 draws its noise from its own generator, so a seeded request samples the same tokens
@@ -18,9 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from modelship.engine.sampling_params import SamplingParams
+
+# What a token the grammar forbids reports as its logprob (JSON has no -inf); vLLM's value.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -69,6 +75,9 @@ class SamplingMetadata:
     needs_top_p: bool
     needs_min_p: bool
     max_num_logprobs: int  # -1: no row asked for logprobs
+    # [batch, ceil(vocab / 32)] int32, bit t of row r set iff token t is allowed (grammar
+    # constraints, `engine.structured`); None: every token allowed in every row
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -154,6 +163,15 @@ def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
     """`logits` with each row's biases added (a new tensor: the caller's is left as it was)."""
     return logits.index_put((bias.rows, bias.token_ids), bias.values.to(logits.dtype),
                             accumulate=True)  # fmt: skip
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where `bitmask` ([batch, ceil(vocab / 32)] int32, on the CPU) has a clear bit.
+    Unpacked by numpy (bit t of a little-endian int32 word is byte t // 8's bit t % 8):
+    torch's shifts over [batch, words, 32] took 12 ms a row on a 49k vocabulary."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, : logits.shape[1]].astype(bool))  # [batch, vocab]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -242,11 +260,15 @@ def sample(
     nonfinite_rows = broken.nonzero().flatten().tolist() if broken.any() else []
     if nonfinite_rows:  # sample the others; these rows' tokens are never used
         logits = logits.masked_fill(broken.unsqueeze(1), 0.0)
+    if m.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, m.token_bitmask)
     logits, scaled = process_logits(logits, m)
     logprobs = top_ids = top_values = None
     greedy_tokens = logits.argmax(dim=-1)
     if m.max_num_logprobs >= 0:
         all_logprobs = logits.log_softmax(dim=-1)
+        if m.token_bitmask is not None:  # a masked token's -inf is no JSON number
+            all_logprobs = all_logprobs.clamp(min=MIN_LOGPROB)
     if scaled is None:
         token_ids = greedy_tokens
     else:

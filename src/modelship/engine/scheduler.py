@@ -292,6 +292,10 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params
         num_output = seq.num_output_tokens
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop"  # its grammar is complete: ignore_eos and min_tokens cannot extend it
+        if seq.grammar is not None and seq.grammar.is_error:
+            return "abort"  # a token outside the grammar (the mask forbids it): never "stop"
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return "stop"

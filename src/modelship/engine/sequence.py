@@ -12,6 +12,7 @@ from modelship.engine.sampling_params import SamplingParams
 _arrivals = itertools.count()
 
 if TYPE_CHECKING:
+    from modelship.engine.structured import GrammarMatcher
     from modelship.model.lora import LoRAAdapter
 
 
@@ -66,6 +67,9 @@ class Sequence:
         # and how many leading tokens have their KV in the draft's cache (0 after preemption)
         self.draft_probs = None
         self.num_draft_computed_tokens = 0
+        # structured outputs: where its output stands in the request's grammar (advanced by
+        # `append_token`, so a preempted and recomputed sequence keeps it); None: free text
+        self.grammar: GrammarMatcher | None = None
 
     def __repr__(self) -> str:
         return (
@@ -97,11 +101,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def drop_last_tokens(self, count: int) -> None:
         """Forget the last `count` generated tokens (sampled past a stop string)."""
         if count:
             del self.token_ids[-count:]
+            if self.grammar is not None:
+                self.grammar.rollback(count)
             self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def finish(self, reason: str) -> None:

@@ -195,6 +195,8 @@ class SpeculationTracker:
         k would pay even alone stops drafting."""
         if not (self.config.by_default if speculate is None else speculate):
             return 0
+        if seq.grammar is not None:  # drafts are not checked against a grammar (yet)
+            return 0
         if seq.seq_id in self._stopped or room < 1:
             return 0
         alpha = self.acceptance(seq.seq_id)

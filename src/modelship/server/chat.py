@@ -17,6 +17,7 @@ from modelship.server import protocol as p
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.openai_translation import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 from modelship.server.reasoning import ReasoningSplitter, Split
+from modelship.server.structured_outputs import grammar_spec
 from modelship.server.tool_calls import CallParser, ToolCall
 
 
@@ -28,6 +29,7 @@ async def create_chat_completion(
     hints.check_fields(request)
     lora = serving.adapter_of(request)
     use = serving.tool_use(request)
+    constraint = grammar_spec(request)
     prompt = await serving.chat_prompt(request, use)
     hints.check_input(len(prompt))
     resumed = serving.resumed_token_ids(request)  # only a stream resumes
@@ -35,7 +37,7 @@ async def create_chat_completion(
     request_id = p.random_id("chatcmpl")
     num_top = request.top_logprobs or 0
     engine_request = EngineRequest(
-        request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora
+        request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora, constraint
     )
 
     def reader() -> ChoiceReader:

@@ -12,6 +12,7 @@ from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.openai_translation import SSE_DONE, OpenAIServing, sse
+from modelship.server.structured_outputs import grammar_spec
 
 
 async def create_completion(
@@ -20,6 +21,7 @@ async def create_completion(
     serving.check_request(request)
     hints.check_fields(request)
     lora = serving.adapter_of(request)
+    constraint = grammar_spec(request)
     prompts = await serving.completion_prompts(request)
     hints.check_input(sum(len(prompt) for prompt in prompts))  # as the gateway counts them
     resumed = serving.resumed_token_ids(request)
@@ -27,7 +29,9 @@ async def create_completion(
     request_id = p.random_id("cmpl")
 
     def engine_request(engine_id: str, prompt: list[int], prm: SamplingParams) -> EngineRequest:
-        return EngineRequest(engine_id, prompt, prm, request.priority, hints.cache_salt, lora)
+        return EngineRequest(
+            engine_id, prompt, prm, request.priority, hints.cache_salt, lora, constraint
+        )
 
     if request.stream:
         if len(prompts) != 1:

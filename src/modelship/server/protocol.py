@@ -68,6 +68,34 @@ def _is_text(value: str) -> bool:
     return True
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema. `strict` or not, the output
+    follows the schema (a grammar cannot follow it loosely)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of these constrains the output."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(BaseModel):
     # Fields outside the spec are ignored, as OpenAI-compatible servers do (clients send
     # extras); what happens to each of the spec's is decided in `request_fields.py`.
@@ -116,6 +144,13 @@ class _Request(BaseModel):
     # (streams with n=1 only): generation resumes after them, text and stop strings run on
     # across the cut, `max_tokens` counts them, and usage counts them as completion tokens
     resume_token_ids: list[int] | None = None
+    # Structured outputs (server/structured_outputs.py): at most one of these is set
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+    guided_json: dict[str, Any] | str | None = None  # vLLM's legacy spellings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class TextPart(BaseModel):

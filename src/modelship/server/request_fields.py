@@ -45,6 +45,7 @@ IMPLEMENTED = frozenset({
     "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
     "logprobs", "top_logprobs", "stream", "stream_options", "echo", "best_of", "suffix",
     "tools", "tool_choice", "parallel_tool_calls",  # tool calling: `tool_calls.py`
+    "response_format",  # structured outputs: `structured_outputs.py`
 })  # fmt: skip
 
 # Accepted and without effect here; why each is harmless.
@@ -58,10 +59,6 @@ ACCEPTED = {
     "prompt_cache_options": "a cache hint; the prefix cache works without it",
     "prediction": "predicted output only saves latency; the output is the same without it",
 }
-
-# Structured outputs: implemented in their own module (issue 30 section 1); until it
-# lands here, ignored as before.
-ELSEWHERE = frozenset({"response_format"})
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,8 @@ REFUSED: dict[str, Refusal] = {
 # vLLM's extra fields this server implements (others of vLLM's are ignored).
 VLLM_EXTRAS = frozenset({
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-    "add_generation_prompt",
+    "add_generation_prompt", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar",
 })  # fmt: skip
 # modelship's own: `priority` (higher runs first: vLLM's order is the reverse),
 # `speculative`, and the gateway failover's `return_token_ids` / `resume_token_ids`.

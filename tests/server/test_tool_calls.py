@@ -172,7 +172,7 @@ MODEL = "tiny"
 def client(tiny_llama_dir: Path) -> Iterator[openai.OpenAI]:
     server = ServerProcess(
         tiny_llama_dir, "--served-model-name", MODEL, "--api-key", API_KEY,
-        "--max-model-len", "512", "--kv-cache-memory-mb", "16",
+        "--max-model-len", "1024", "--kv-cache-memory-mb", "16",
     )  # fmt: skip
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     server.stop()
@@ -230,3 +230,94 @@ def test_bad_tools_are_a_400_naming_the_field(client: openai.OpenAI, fields, par
         client.post("/chat/completions", body=body, cast_to=object)
     error = refused.value.body
     assert isinstance(error, dict) and error["param"] == param, error
+
+
+PLACES = {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "enum": [0, 1, 2]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+BOUNDED = {
+    "type": "function",
+    "function": {
+        **WEATHER["function"],
+        "parameters": {
+            "type": "object",
+            "properties": {"city": PLACES},
+            "required": ["city"],
+            "additionalProperties": False,  # else the grammar lets a model add any property
+        },
+    },
+}
+
+
+def test_a_required_tool_choice_always_gets_a_valid_call(client: openai.OpenAI) -> None:
+    """The tiny random model never writes a call by itself: under the grammar that
+    `required` builds, every answer is one, with arguments that match the schema."""
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather?"}], max_tokens=120,
+            tools=[BOUNDED, TIME], tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=seed,
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls  # type: ignore[misc]
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert arguments["city"] in PLACES["enum"]
+        else:
+            assert call.function.name == "get_time" and isinstance(arguments["zone"], int)
+
+
+def test_a_named_tool_choice_calls_that_tool_streamed_as_deltas(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            max_tokens=120,
+            tools=[TIME, BOUNDED],
+            stream=True,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    )
+    calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    [call] = calls
+    assert call.index == 0 and call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in PLACES["enum"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_and_a_structured_output_together_are_a_400(client) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [BOUNDED], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/chat/completions", body=body, cast_to=object)
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_responses_with_a_required_tool_answer_a_function_call_item(client) -> None:
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": BOUNDED["function"]["parameters"],
+    }
+    response = client.responses.create(
+        model=MODEL, input="Weather?", tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=120,
+    )  # fmt: skip
+    [item] = response.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert json.loads(item.arguments)["city"] in PLACES["enum"]
+    assert response.status == "completed"

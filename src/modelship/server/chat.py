@@ -13,12 +13,16 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from modelship.engine import EngineRequest
+from modelship.engine.grammar_spec import GrammarSpec
+from modelship.engine.sampling_params import InvalidParamsError
 from modelship.server import protocol as p
+from modelship.server import tool_calls
+from modelship.server.errors import BadRequestError
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.openai_translation import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
 from modelship.server.reasoning import ReasoningSplitter, Split
 from modelship.server.structured_outputs import grammar_spec
-from modelship.server.tool_calls import CallParser, ToolCall
+from modelship.server.tool_calls import CallParser, ToolCall, ToolUse
 
 
 async def create_chat_completion(
@@ -29,7 +33,7 @@ async def create_chat_completion(
     hints.check_fields(request)
     lora = serving.adapter_of(request)
     use = serving.tool_use(request)
-    constraint = grammar_spec(request)
+    constraint = _forced_calls(use, request) or grammar_spec(request)
     prompt = await serving.chat_prompt(request, use)
     hints.check_input(len(prompt))
     resumed = serving.resumed_token_ids(request)  # only a stream resumes
@@ -73,6 +77,26 @@ async def create_chat_completion(
             total_tokens=len(prompt) + completion_tokens,
         ),
     )
+
+
+def _forced_calls(use: ToolUse | None, request: p.ChatCompletionRequest) -> GrammarSpec | None:
+    """`tool_choice` "required" or a named tool, as the grammar the answer must follow."""
+    forced = tool_calls.forced_calls(use, request.tool_choice) if use is not None else None
+    if forced is None:
+        return None
+    if grammar_spec(request) is not None:
+        raise BadRequestError(
+            "tool_choice: a required or named tool leaves no room for a "
+            "structured output (response_format, guided_*)",
+            "tool_choice",
+        )
+    try:
+        forced.check()
+    except InvalidParamsError as exc:
+        raise BadRequestError(
+            f"tools: a parameters schema this server cannot enforce: {exc}", "tools"
+        ) from exc
+    return forced
 
 
 @dataclass
@@ -162,8 +186,10 @@ async def _stream(
 
     def calls(index: int, read: Read) -> list[str]:
         first_call = readers[index].num_calls - len(read.calls)  # indices count from the first
-        return [chunk(index, p.ChatDelta(tool_calls=[_call_delta(number, call)]))
-                for number, call in enumerate(read.calls, start=first_call)]  # fmt: skip
+        return [
+            chunk(index, p.ChatDelta(tool_calls=[_call_delta(number, call)]))
+            for number, call in enumerate(read.calls, start=first_call)
+        ]
 
     if not num_resumed:
         for index in range(request.n):

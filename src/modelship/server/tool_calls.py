@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelship.engine.grammar_spec import GrammarSpec
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 
@@ -82,6 +83,48 @@ def tool_use(request: p.ChatCompletionRequest, form: str) -> ToolUse | None:
         )
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     return ToolUse(tools, form, request.parallel_tool_calls)
+
+
+def forced_calls(use: ToolUse, choice: object) -> GrammarSpec | None:
+    """`tool_choice: "required"` or a named tool: the answer must be calls (to that tool),
+    written in the form the parser reads, each call's arguments held to its tool's
+    `parameters` schema, so they always validate. None for `auto` (free text, parsed)."""
+    if choice == "required":
+        tools = use.tools
+    elif isinstance(choice, p.NamedToolChoice):
+        tools = [tool for tool in use.tools if tool["function"]["name"] == choice.function.name]
+    else:
+        return None
+    key = "parameters" if use.format == "llama3_json" else "arguments"
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    key: tool["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ],
+        # one space at most between JSON tokens: a weak model under the grammar otherwise
+        # may pad with whitespace until max_tokens (the tiny test model did)
+        "x-guidance": {"whitespace_pattern": "[ ]?"},
+    }
+    many = use.parallel and choice == "required"
+    if use.format == "mistral":  # a JSON list of calls (the marker is a special token)
+        calls = {"type": "array", "items": call, "minItems": 1, **({} if many else {"maxItems": 1})}
+        grammar = f"start: %json {json.dumps(calls)}\n"
+    elif use.format == "llama3_json":
+        more = ' (";" call)*' if many else ""
+        grammar = f"start: call{more}\ncall: %json {json.dumps(call)}\n"
+    else:
+        marked = '"' + _START + '\\n" body "\\n' + _END + '"'
+        more = ' ("\\n" call)*' if many else ""
+        grammar = f"start: call{more}\ncall: {marked}\nbody: %json {json.dumps(call)}\n"
+    return GrammarSpec("grammar", grammar, param="tool_choice")
 
 
 # The prompt -------------------------------------------------------------------------------

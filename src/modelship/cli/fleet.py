@@ -83,8 +83,8 @@ def gateway(
 ) -> None:
     """Run only the gateway, in front of replicas given by address (e.g. Kubernetes)."""
     from modelship.gateway.app import create_gateway_app
-    from modelship.gateway.canary import Track
     from modelship.gateway.engines import EngineKind
+    from modelship.gateway.groups import CANARY, STABLE, tier_group
     from modelship.gateway.launcher import run_gateway
     from modelship.gateway.pool import EndpointPool, static_upstreams
     from modelship.gateway.service import GatewayService
@@ -108,8 +108,8 @@ def gateway(
     except ValueError:
         fail(f"--engine must be ours or vllm, got {engine!r}", CONFIG_EXIT_CODE)
     pool = EndpointPool(config.gateway.resilience)
-    static_upstreams(pool, stable, Track.STABLE, "stable", engine=kind)
-    static_upstreams(pool, canary, Track.CANARY, "canary", engine=kind)
+    static_upstreams(pool, stable, STABLE, "stable", engine=kind)
+    static_upstreams(pool, canary, CANARY, "canary", engine=kind)
     tiers = {tier.name: tier for tier in config.gateway.tiers}
     tier_urls: dict[str, list[str]] = {}
     for item in tier_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_TIER_ENDPOINTS")):
@@ -120,7 +120,7 @@ def gateway(
                  f"({known})", CONFIG_EXIT_CODE)  # fmt: skip
         tier_urls.setdefault(name, []).append(url)
     for name, urls in tier_urls.items():
-        static_upstreams(pool, urls, Track.STABLE, "stable", name, tiers[name].variant, kind)
+        static_upstreams(pool, urls, tier_group(name), "stable", tiers[name].variant, kind)
     # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
     # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
     upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key

@@ -6,7 +6,8 @@ the groups after it in `groups.fallback_order`), skipping open breakers, with
 backoff between attempts, within the request's deadline. Each replica's result goes to its
 breaker and, except a client's own 4xx, to the canary judge (`judge_result`). A stream
 whose replica fails mid-way is resumed on another from the tokens already sent, when the
-replicas trust the gateway (`Forwarder.replicas_trust_gateway`).
+replicas trust the gateway (`Forwarder.replicas_trust_gateway`). `unless_client_gone`
+cancels the whole forward when its client hangs up before the answer starts.
 """
 
 from __future__ import annotations

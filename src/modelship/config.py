@@ -12,11 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.deploy.config import DeployConfig
-from modelship.engine.options import EngineOptions
 from modelship.fleet.config import SupervisorConfig
 from modelship.gateway.config import GatewayConfig
+from modelship.serve_options import ReplicaOptions, ServeOptions
 from modelship.tracing import TracingConfig
 
 
@@ -96,28 +95,13 @@ class SelectConfig(Section):
         return weights
 
 
-class ServeConfig(Section):
+class ServeConfig(ReplicaOptions):
+    """The replicas' options (`serve_options.ReplicaOptions`: the name, engine, adapters,
+    grace period, stall timeout) and the address and key of one `modelship serve`."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
-    served_model_name: str | None = None  # None: the model's slug
     api_key: str | None = None
-    grace_period_s: float = Field(default=30.0, ge=0)
-    # one engine step running past this makes a replica report itself stalled (/ready and
-    # /health 503): routed around, then replaced (`serve --stall-timeout`)
-    stall_timeout_s: float = Field(default=120.0, ge=1.0)
-    # LoRA adapters (PEFT folders) every replica serves over the model: name -> folder;
-    # requests name them in `model`, tenants' `allowed_models` say who may
-    loras: dict[str, str] = Field(default_factory=dict)
-    max_loras: int = Field(default=4, ge=1)
-    engine: EngineOptions = Field(default_factory=EngineOptions)
-
-    @field_validator("loras")
-    @classmethod
-    def _adapter_names(cls, loras: dict[str, str]) -> dict[str, str]:
-        for name in loras:
-            if not is_adapter_name(name):
-                raise ValueError(f"{name!r}: an adapter name is {ADAPTER_NAME_RULE}")
-        return loras
 
 
 class RetryConfig(Section):
@@ -142,6 +126,16 @@ class ModelshipConfig(Section):
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)  # gateway and replicas
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with trace ids
+
+    def replica_options(self, **fields: Any) -> ServeOptions:
+        """What each replica of this config is started with (`modelship up`, the pods):
+        `serve`'s replica options, the gateway's request caps (a replica refusing what the
+        gateway let through would be a 400 nobody can explain), the log format and tracing;
+        `fields` set the rest (the variant, the served name) or override these."""
+        serve = {name: getattr(self.serve, name) for name in ReplicaOptions.model_fields}
+        caps = self.gateway.request_limits.model_dump(include=set(ServeOptions.model_fields))
+        logs = {"log_format": self.log_format, "tracing": self.tracing}
+        return ServeOptions(**(serve | caps | logs | fields))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], origin: str = "config") -> ModelshipConfig:

@@ -38,9 +38,12 @@ from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from modelship.flags import flag_args
+
 Exporter = Literal["none", "console", "file", "otlp"]
 EXPORTERS: tuple[str, ...] = ("none", "console", "file", "otlp")
 _PROPAGATOR = TraceContextTextMapPropagator()
+TRACE_FLAG_PREFIX = "trace_"  # `modelship serve --trace-exporter` etc.
 
 
 class TracingConfig(BaseModel):
@@ -48,10 +51,24 @@ class TracingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    exporter: Exporter = "none"
-    endpoint: str | None = None  # otlp: http://host:4318 (else $OTEL_EXPORTER_OTLP_ENDPOINT)
-    file: Path | None = None  # file: JSON lines, appended
-    sample_ratio: float = Field(default=1.0, ge=0, le=1)  # of new traces (the gateway's)
+    exporter: Exporter = Field(
+        default="none", description="Where spans go: none (tracing off), console, file, otlp."
+    )
+    endpoint: str | None = Field(  # otlp (else $OTEL_EXPORTER_OTLP_ENDPOINT)
+        default=None,
+        description="OTLP/HTTP collector, e.g. http://127.0.0.1:4318 (else "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT).",
+    )
+    sample_ratio: float = Field(  # of new traces (the gateway's)
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of new traces sampled (0..1); a traceparent decides for requests "
+        "that bring one.",
+    )
+    file: Path | None = Field(  # file: JSON lines, appended
+        default=None, description="JSON lines of spans, appended (--trace-exporter file)."
+    )
 
     @model_validator(mode="after")
     def _exporter_has_its_target(self) -> TracingConfig:
@@ -64,15 +81,17 @@ class TracingConfig(BaseModel):
         return self.exporter != "none"
 
     def cli_args(self) -> list[str]:
-        """The same setting as `modelship serve` options (the fleet's replicas)."""
+        """The same setting as `modelship serve --trace-*` flags (none while off), a file
+        as an absolute path (the fleet's replicas)."""
         if not self.is_enabled:
             return []
-        args = ["--trace-exporter", self.exporter, "--trace-sample-ratio", str(self.sample_ratio)]
-        if self.endpoint:
-            args += ["--trace-endpoint", self.endpoint]
-        if self.file is not None:
-            args += ["--trace-file", str(Path(self.file).resolve())]
-        return args
+        return flag_args(self.resolved(), prefix=TRACE_FLAG_PREFIX)
+
+    def resolved(self) -> TracingConfig:
+        """This config with its file as an absolute path."""
+        if self.file is None:
+            return self
+        return self.model_copy(update={"file": Path(self.file).resolve()})
 
 
 class JsonLinesSpanExporter(SpanExporter):

@@ -90,6 +90,35 @@ def test_chat_stream_survives_a_killed_replica(fleet: UpProcess):
     assert after == resumed_before + 1
 
 
+def test_a_responses_stream_survives_a_killed_replica(fleet: UpProcess):
+    """/v1/responses is a chat completion inside the gateway: its stream resumes too, and
+    the client sees one Responses event sequence."""
+    _wait_two_ready(fleet)
+    expected, expected_usage = _chat(fleet, KILL_AFTER)
+    resumed_before = fleet.metric("modelship_gateway_failovers_total", outcome="resumed")
+    whole = _client(fleet).responses.create(
+        model=SLUG, input="The quick brown fox", max_output_tokens=KILL_AFTER, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert whole.output_text == expected
+    events = list(
+        _client(fleet).responses.create(
+            model=SLUG,
+            input="The quick brown fox",
+            max_output_tokens=KILL_AFTER,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "seed": KILL_SEED},
+        )
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == expected
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == expected_usage.completion_tokens
+    after = fleet.metric("modelship_gateway_failovers_total", outcome="resumed")
+    assert after == resumed_before + 1
+
+
 def test_a_resumed_streams_first_byte_is_the_first_replicas(fleet: UpProcess):
     """TTFB of a stream that failed over is when the first replica answered, which the
     client saw before the cut; not when the second replica took over, after it."""

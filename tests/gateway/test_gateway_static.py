@@ -518,6 +518,49 @@ def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProce
     assert 5 <= cut[1] - final[1] < 1500
 
 
+def test_responses_are_authenticated_charged_and_refused_like_chat(
+    replica: ServerProcess, start_gateway
+):
+    """/v1/responses through the gateway: the tenant's key, its charge in tokens the
+    replica counted (whole and streamed), and a field the gateway cannot honour refused
+    by name before any replica sees it."""
+    gateway = start_gateway([replica.url])
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
+
+    def charged() -> tuple[float, float]:
+        return tuple(
+            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
+            for kind in ("input", "output")
+        )
+
+    before = charged()
+    whole = client.responses.create(model=MODEL, input=" ".join("7" * 50), max_output_tokens=5,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 5
+    after = charged()
+    assert (after[0] - before[0], after[1] - before[1]) == (whole.usage.input_tokens, 5)
+    stream = client.responses.create(
+        model=MODEL,
+        input=" ".join("7" * 50),
+        stream=True,
+        max_output_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.usage.output_tokens == 5
+    again = charged()
+    assert (again[0] - after[0], again[1] - after[1]) == (whole.usage.input_tokens, 5)
+
+    refused = post(gateway, {"model": MODEL, "input": "hi", "previous_response_id": "r"},
+                   path="/v1/responses")  # fmt: skip
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "previous_response_id"
+    unknown = post(gateway, {"model": MODEL, "input": "hi"}, key="sk-nobody", path="/v1/responses")
+    assert unknown.status_code == 401
+    assert post(gateway, b"{not json", path="/v1/responses").status_code == 400
+
+
 def test_an_admin_changes_adapters_on_every_replica_given_by_address(
     start_gateway, replica: ServerProcess, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

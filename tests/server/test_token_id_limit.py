@@ -77,15 +77,18 @@ def test_each_long_list_is_a_400_naming_its_field(replica, body, param, message)
     assert error["param"] == param and message in error["message"], error
 
 
-def test_a_million_chat_messages_are_a_400_before_they_are_validated(replica):
-    """Each `{}` was a pydantic validation (and an error entry) before any length check."""
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"),
+                                             ("/v1/responses", "input")])  # fmt: skip
+def test_a_million_chat_messages_are_a_400_before_they_are_validated(replica, path, field):
+    """Each `{}` was a pydantic validation (and an error entry) before any length check;
+    a Responses request's `input` items are messages the same way."""
     messages = ",".join(["{}"] * 1_000_000)
-    body = f'{{"model": "{MODEL}", "max_tokens": 1, "messages": [{messages}]}}'.encode()
-    response = httpx.post(f"{replica.url}/v1/chat/completions", content=body, timeout=120,
+    body = f'{{"model": "{MODEL}", "max_tokens": 1, "{field}": [{messages}]}}'.encode()
+    response = httpx.post(f"{replica.url}{path}", content=body, timeout=120,
                           headers={"content-type": "application/json"})  # fmt: skip
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["param"] == "messages" and f"at most {MAX_MODEL_LEN} messages" in error["message"]
+    assert error["param"] == field and f"at most {MAX_MODEL_LEN} messages" in error["message"]
     assert httpx.get(f"{replica.url}/ready", timeout=10).status_code == 200
 
 

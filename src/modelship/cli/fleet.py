@@ -82,73 +82,27 @@ def gateway(
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
     """Run only the gateway, in front of replicas given by address (e.g. Kubernetes)."""
-    from modelship.gateway.app import create_gateway_app
-    from modelship.gateway.engines import EngineKind
-    from modelship.gateway.groups import CANARY, STABLE, tier_group
+    from modelship.fleet.standalone import GatewaySetupError, StandaloneGateway, StaticReplicas
     from modelship.gateway.launcher import run_gateway
-    from modelship.gateway.pool import EndpointPool, static_upstreams
-    from modelship.gateway.service import GatewayService
-    from modelship.tracing import Tracing
 
     config = load_config(config_path)
-    stable = endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_ENDPOINTS"))
-    canary = canary_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_CANARY_ENDPOINTS"))
-    if not stable:
-        fail(
-            "no replicas: pass --endpoint URL or set MODELSHIP_GATEWAY_ENDPOINTS",
-            CONFIG_EXIT_CODE,
-        )
     weight = canary_weight
     if weight is None:
         weight = int(os.environ.get("MODELSHIP_GATEWAY_CANARY_WEIGHT", "0") or 0)
-    if canary and not 0 <= weight <= 99:
-        fail(f"--canary-weight must be 0..99 (percent), got {weight}", CONFIG_EXIT_CODE)
+    replicas = StaticReplicas(
+        stable=endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_ENDPOINTS")),
+        canary=canary_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_CANARY_ENDPOINTS")),
+        canary_weight=weight,
+        tier_endpoints=tier_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_TIER_ENDPOINTS")),
+        engine=engine,
+    )
     try:
-        kind = EngineKind(engine or config.deploy.serving.engine)
-    except ValueError:
-        fail(f"--engine must be ours or vllm, got {engine!r}", CONFIG_EXIT_CODE)
-    pool = EndpointPool(config.gateway.resilience)
-    static_upstreams(pool, stable, STABLE, "stable", engine=kind)
-    static_upstreams(pool, canary, CANARY, "canary", engine=kind)
-    tiers = {tier.name: tier for tier in config.gateway.tiers}
-    tier_urls: dict[str, list[str]] = {}
-    for item in tier_endpoint or _split(os.environ.get("MODELSHIP_GATEWAY_TIER_ENDPOINTS")):
-        name, _, url = item.partition("=")
-        if name not in tiers or not url:
-            known = ", ".join(tiers) or "none configured"
-            fail(f"--tier-endpoint {item!r}: expected TIER=URL with TIER one of gateway.tiers "
-                 f"({known})", CONFIG_EXIT_CODE)  # fmt: skip
-        tier_urls.setdefault(name, []).append(url)
-    for name, urls in tier_urls.items():
-        static_upstreams(pool, urls, tier_group(name), "stable", tiers[name].variant, kind)
-    # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
-    # service key, which Kubernetes hands the gateway as MODELSHIP_API_KEY.
-    upstream_key = os.environ.get("MODELSHIP_API_KEY") or config.serve.api_key
-    if config.gateway.tenants and not upstream_key:
-        fail(
-            "gateway.tenants: the replicas need an API key to trust the gateway's per-tenant "
-            "settings (prefix-cache namespace, max_input_tokens); without one tenants would "
-            "share one prefix cache. Set serve.api_key (or MODELSHIP_API_KEY) here and on "
-            "the replicas",
-            CONFIG_EXIT_CODE,
-        )
-    service = GatewayService(
-        config.gateway.bounded_by(config.serve.engine.max_model_len),
-        pool,
-        api_key=config.serve.api_key or os.environ.get("MODELSHIP_API_KEY"),
-        upstream_api_key=upstream_key,
-        canary_weight=weight if canary else 0,
-        tracing=Tracing(config.tracing, "modelship-gateway"),
-        access_log=config.log_format == "json",
-    )
+        gateway = StandaloneGateway(config, replicas, os.environ.get("MODELSHIP_API_KEY"))
+    except GatewaySetupError as exc:
+        fail(str(exc), CONFIG_EXIT_CODE)
     setup_logging(config.log_format)
-    run_gateway(
-        create_gateway_app(service),
-        service,
-        host or config.gateway.host,
-        port or config.gateway.port,
-        config.serve.grace_period_s,
-    )
+    host, port = host or config.gateway.host, port or config.gateway.port
+    run_gateway(gateway.app(), gateway.service, host, port, config.serve.grace_period_s)
 
 
 @app.command()

@@ -67,10 +67,20 @@ def acquire(
 def verify(
     artifact: Annotated[Path, typer.Argument(help="An artifact folder (has manifest.json).")],
     full: Annotated[bool, typer.Option(help="Recompute sha256 of every file.")] = False,
+    rebuild: Annotated[
+        bool,
+        typer.Option(
+            help="An optimized variant: make it again from its recorded inputs and compare "
+            "the bytes (exit 1 if any file differs)."
+        ),
+    ] = False,
 ) -> None:
     """Check an artifact folder against its manifest."""
     from modelship.storage import verify_artifact
 
+    if rebuild:
+        _verify_rebuild(artifact)
+        return
     try:
         manifest = verify_artifact(artifact, full=full)
     except StorageError as exc:
@@ -78,6 +88,27 @@ def verify(
         return
     mode = "sha256" if full else "sizes"
     console.print(f"[green]ok[/] {artifact}: {len(manifest.files)} files match ({mode})")
+
+
+def _verify_rebuild(artifact: Path) -> None:
+    from modelship.pipeline.optimize.rebuild import rebuild
+
+    try:
+        rebuilt = rebuild(artifact)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc), exit_code(exc))
+        return
+    if not rebuilt.identical:
+        fail(
+            f"{artifact}: made again, {len(rebuilt.differing)} of {rebuilt.num_files} files "
+            f"differ: {', '.join(rebuilt.differing)}",
+            1,
+        )
+        return
+    console.print(
+        f"[green]ok[/] {artifact}: made again in {rebuilt.seconds:.1f}s, all "
+        f"{rebuilt.num_files} files byte-identical"
+    )
 
 
 @app.command()
@@ -188,8 +219,14 @@ def status(
             facts = step.get("facts") or {}
             detail = step.get("error") or facts.get("winner") or ""
             seconds = "" if step.get("seconds") is None else f"{step['seconds']:.1f}"
-            table.add_row(name, step["state"], str(step["attempts"]), seconds,
-                          str(facts.get("memoized", "")), str(detail))  # fmt: skip
+            table.add_row(
+                name,
+                step["state"],
+                str(step["attempts"]),
+                seconds,
+                str(facts.get("memoized", "")),
+                str(detail),
+            )
         console.print(table)
     releases = store.releases(slug)
     production = store.production_release(slug)

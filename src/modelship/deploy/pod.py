@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -130,60 +129,28 @@ def api_key_env(ctx: RenderContext, variable: str = API_KEY_ENV) -> list[Json]:
     return [{"name": variable, "valueFrom": ref}]
 
 
-# The KV cache dtypes both engines have; another one than the model's dtype is refused when
-# rendering for vLLM (`render.config_problems`).
-VLLM_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# Set by the Helm chart from values of its own, around `engine.flags` (`engine_flags`).
+CHART_FLAGS = ("served_model_name", "grace_period_s", "stall_timeout_s", "variant")
 
 
 def engine_flags(ctx: RenderContext) -> list[str]:
-    """Engine options after the model/name/address flags (the chart's `engine.flags`)."""
-    engine = ctx.config.serve.engine
-    loras = ctx.config.serve.loras  # folders as the pod sees them (e.g. on the data volume)
+    """Engine options after the model/name/address flags (the chart's `engine.flags`): our
+    replicas get what `modelship up` gives its own (`ModelshipConfig.replica_options`), less
+    what the chart sets itself; vLLM its spelling of them (`ServeOptions.vllm_args`).
+    Adapter folders are as the pod sees them (e.g. on the data volume)."""
+    options = ctx.config.replica_options()
     if ctx.serving.engine == "ours":
-        adapters = [flag for name, path in loras.items() for flag in ("--lora", f"{name}={path}")]
-        if loras:
-            adapters += ["--max-loras", str(ctx.config.serve.max_loras)]
-        return [*engine.cli_args(), *adapters, *replica_flags(ctx)]
-    # vLLM spellings of the options both engines share; the variants are compressed-tensors.
-    flags = [
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-        "--enable-prefix-caching" if engine.prefix_caching else "--no-enable-prefix-caching",
-        # The gateway sends each tenant's class as `priority` (vLLM refuses any but 0
-        # without this policy).
-        "--scheduling-policy", "priority",
-    ]  # fmt: skip
-    if engine.max_model_len:
-        flags += ["--max-model-len", str(engine.max_model_len)]
-    if engine.dtype:
-        flags += ["--dtype", engine.dtype]
-    if engine.kv_cache_dtype in VLLM_KV_CACHE_DTYPES:  # otherwise the model's ("auto")
-        flags += ["--kv-cache-dtype", engine.kv_cache_dtype]
-    if not engine.cuda_graphs:
-        flags += ["--enforce-eager"]
-    if engine.speculative_model:  # vLLM's draft-model speculation (it speculates for all)
-        spec = {"model": engine.speculative_model,
-                "num_speculative_tokens": engine.num_speculative_tokens}  # fmt: skip
-        flags += ["--speculative-config", json.dumps(spec)]
-    elif engine.num_speculative_tokens:  # vLLM's prompt lookup (it speculates for all)
-        spec = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens,
-                "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
-        flags += ["--speculative-config", json.dumps(spec)]
-    if loras:  # vLLM serves them by the same names: the request's `model` picks one
-        modules = [f"{name}={path}" for name, path in loras.items()]
-        flags += ["--enable-lora", "--max-loras", str(ctx.config.serve.max_loras),
-                  "--lora-modules", *modules]  # fmt: skip
+        return options.replica_args(exclude=CHART_FLAGS)
+    flags = options.vllm_args()
     gpu = ctx.serving.gpu
     if gpu is not None and gpu.count > 1:
         flags += ["--tensor-parallel-size", str(gpu.count)]
     return flags
 
 
-def grace_period_arg(seconds: float) -> str:
-    return f"{seconds:g}"
-
-
-def engine_args(ctx: RenderContext, model_dir: str) -> tuple[list[str], list[str]]:
+def engine_args(
+    ctx: RenderContext, model_dir: str, variant: str | None = None
+) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container for the configured engine."""
     if ctx.serving.engine == "vllm":
         args = [
@@ -194,41 +161,11 @@ def engine_args(ctx: RenderContext, model_dir: str) -> tuple[list[str], list[str
             *engine_flags(ctx),
         ]  # fmt: skip
         return ["vllm", "serve"], args
-    args = [
-        "serve", model_dir,
-        "--host", "0.0.0.0",
-        "--port", str(ctx.port),
-        "--served-model-name", ctx.served_model_name,
-        *engine_flags(ctx),
-        "--grace-period", grace_period_arg(ctx.config.serve.grace_period_s),
-        "--stall-timeout", grace_period_arg(ctx.config.serve.stall_timeout_s),
-    ]  # fmt: skip
+    # `variant` is the label a tier's metrics carry
+    options = ctx.config.replica_options(served_model_name=ctx.served_model_name, variant=variant)
+    args = ["serve", model_dir, "--host", "0.0.0.0", "--port", str(ctx.port),
+            *options.replica_args()]  # fmt: skip
     return ["modelship"], args
-
-
-def replica_flags(ctx: RenderContext) -> list[str]:
-    """What `modelship up` gives its replicas besides the engine options: the gateway's
-    request caps (a replica refusing what the gateway let through would be a 400 nobody
-    can explain), the log format and tracing (a file exporter's path is the pod's own)."""
-    config = ctx.config
-    limits = config.gateway.request_limits
-    flags = [
-        "--max-n", str(limits.max_n),
-        "--max-stop", str(limits.max_stop),
-        "--max-stop-chars", str(limits.max_stop_chars),
-        "--max-prompts", str(limits.max_prompts),
-        "--max-body-mb", str(limits.max_body_mb),
-        "--log-format", config.log_format,
-    ]  # fmt: skip
-    tracing = config.tracing
-    if tracing.is_enabled:
-        flags += ["--trace-exporter", tracing.exporter,
-                  "--trace-sample-ratio", str(tracing.sample_ratio)]  # fmt: skip
-        if tracing.endpoint:
-            flags += ["--trace-endpoint", tracing.endpoint]
-        if tracing.file is not None:
-            flags += ["--trace-file", str(tracing.file)]
-    return flags
 
 
 def engine_container(
@@ -249,9 +186,7 @@ def engine_container(
         model_dir = model_path(ctx.slug, release)
     else:
         model_dir = variant_path(ctx.slug, variant)
-    command, args = engine_args(ctx, model_dir)
-    if variant is not None and ctx.serving.engine == "ours":
-        args += ["--variant", variant]  # the label its metrics carry
+    command, args = engine_args(ctx, model_dir, variant)
     vllm = ctx.serving.engine == "vllm"
     port_ref: int | str = port_name or ctx.port
     container: Json = {

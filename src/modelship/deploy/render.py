@@ -26,9 +26,9 @@ from modelship.deploy.dashboard import dashboard_configmap, dashboard_json
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
 from modelship.deploy.names import labels
-from modelship.deploy.pod import VLLM_KV_CACHE_DTYPES
 from modelship.deploy.serving import METRICS_PORT, deployment_serving
 from modelship.deploy.workflow import task_name, workflow
+from modelship.serve_options import VLLM_KV_CACHE_DTYPES
 
 Json = dict[str, Any]
 MARKER = ".modelship-render"

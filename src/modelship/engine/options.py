@@ -1,53 +1,105 @@
 """The engine options a user sets, defined once: `pipeline.yaml`'s `serve.engine` section,
-the `modelship serve` flags (their defaults are these) and the flags a replica is started
-with (`cli_args`). A leaf: pydantic only, so reading a config never imports torch.
+the `modelship serve` flags (name, default and help: `modelship.flags`) and the flags a
+replica is started with (`cli_args`). A leaf: pydantic only, so reading a config never
+imports torch.
 `to_engine_config` makes the engine's own `EngineConfig` (bytes, not MiB)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from modelship.flags import Flag, flag_args
+
 
 class EngineOptions(BaseModel):
+    """Each field is a `modelship serve` flag (`modelship.flags`): its description the help."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_prefill_chunk: int = Field(default=256, ge=1)
-    kv_cache_memory_mb: int = Field(default=512, ge=1)
+    device: str = Field(default="cpu", description="cpu or cuda.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="float32, bfloat16 or float16 (default: per device)."
+    )
+    max_model_len: int | None = Field(  # None: the model's own
+        default=None, ge=16, description="Context length cap (default: the model's)."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Sequences per step.")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Token budget per step.")
+    max_prefill_chunk: int = Field(
+        default=256, ge=1, description="Most prompt tokens in a step that also decodes streams."
+    )
+    kv_cache_memory_mb: int = Field(default=512, ge=1, description="KV cache budget in MiB.")
     # None ("auto" as a flag): fp32 on CPU, the compute dtype on CUDA; int8: ~3.7x the
     # blocks of fp32 in the same memory (one fp32 scale per key/value head vector); fp8
     # (e4m3, alias fp8_e4m3): as many blocks as int8, read by SDPA attention
-    kv_cache_dtype: Literal["float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"] | None = (
-        None
+    kv_cache_dtype: Annotated[
+        Literal["float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3"] | None,
+        Flag(none_as="auto"),
+    ] = Field(
+        default=None,
+        description="KV cache dtype (auto: fp32 on CPU, the compute dtype on CUDA); int8 holds "
+        "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends); fp8 "
+        "(e4m3) as many (SDPA backend).",
     )
-    block_size: int = Field(default=16, ge=1)
-    max_waiting_requests: int = Field(default=1024, ge=0)
-    prefix_caching: bool = True
+    block_size: int = Field(default=16, ge=1, description="Tokens per KV block.")
+    max_waiting_requests: int = Field(
+        default=1024, ge=0, description="Queue bound before 429 (requests)."
+    )
+    prefix_caching: bool = Field(default=True, description="Reuse cached prompt blocks.")
     # decode steps from captured CUDA graphs on a CUDA device (no effect on CPU), for
     # batches of up to this many sequences
-    cuda_graphs: bool = True
-    cuda_graph_max_batch_size: int = Field(default=256, ge=1, le=256)
+    cuda_graphs: bool = Field(
+        default=True, description="Decode steps from captured CUDA graphs (CUDA devices only)."
+    )
+    cuda_graph_max_batch_size: int = Field(
+        default=256,
+        ge=1,
+        le=256,
+        description="Largest decode batch captured (up to 256); larger run eagerly.",
+    )
     # prompt-lookup speculative decoding: draft tokens verified per step (0: off), for
     # requests that ask (`"speculative": true`) or, with speculative_by_default, all that
     # do not refuse; only in steps of at most speculative_max_batch_size sequences
-    num_speculative_tokens: int = Field(default=0, ge=0, le=16)
-    speculative_by_default: bool = False
-    speculative_max_batch_size: int = Field(default=2, ge=1)
+    num_speculative_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Speculative decoding (prompt lookup, or --speculative-model): draft "
+        'tokens verified per step (0: off). Requests opt in with "speculative": true; the '
+        "same output distribution either way.",
+    )
+    speculative_by_default: bool = Field(
+        default=False, description='Speculate for requests that do not say ("speculative").'
+    )
+    speculative_max_batch_size: int = Field(
+        default=2, ge=1, description="No drafts in steps with more running sequences than this."
+    )
     # a drafted token's share of a plain decode step's time, from which each sequence picks
     # how many tokens to draft (`engine.speculative`): ~0.3 on a 2-core CPU, ~0.02 on a GPU
-    speculative_draft_token_cost: float = Field(default=0.3, ge=0)
+    speculative_draft_token_cost: float = Field(
+        default=0.3,
+        ge=0,
+        description="A drafted token's share of a plain decode step's time (about 0.3 on a "
+        "2-core CPU, 0.02 on a GPU): each sequence drafts as many tokens as pay for it.",
+    )
     # Megatron-style tensor parallelism over this many processes (GPUs per pod on
     # Kubernetes); dense checkpoints only (`engine.tensor_parallel`)
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Shard attention and MLP over this many processes (Megatron-style; gloo "
+        "on CPU, NCCL on CUDA, one GPU each); dense checkpoints only.",
+    )
     # a draft model's folder (same tokenizer as the served model): draft-model speculation
     # instead of prompt lookup; needs num_speculative_tokens
-    speculative_model: str | None = None
+    speculative_model: str | None = Field(
+        default=None,
+        description="Draft model folder (a smaller model of the same tokenizer) for "
+        "speculative decoding; needs --num-speculative-tokens. Without it: prompt lookup.",
+    )
 
     @model_validator(mode="after")
     def _draft_needs_tokens(self) -> EngineOptions:
@@ -58,24 +110,18 @@ class EngineOptions(BaseModel):
         return self
 
     def to_engine_config(self):
+        """The engine's `EngineConfig`: fields of the same name as they are (so a new knob
+        needs no line here), the rest converted."""
+        from dataclasses import fields
+
         from modelship.engine.config import EngineConfig
 
+        same = {field.name for field in fields(EngineConfig)} & type(self).model_fields.keys()
         return EngineConfig(
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_chunk=self.max_prefill_chunk,
+            **{name: getattr(self, name) for name in same},
             kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=self.block_size,
-            max_waiting_requests=self.max_waiting_requests,
             enable_prefix_caching=self.prefix_caching,
-            cuda_graphs=self.cuda_graphs,
-            cuda_graph_max_batch_size=self.cuda_graph_max_batch_size,
             speculative=self.speculative_config(),
-            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def speculative_config(self):
@@ -93,31 +139,6 @@ class EngineOptions(BaseModel):
         )
 
     def cli_args(self) -> list[str]:
-        """The same options as `modelship serve` flags (only those that differ from the
-        defaults are needed, but all are given: a replica's command line says it all)."""
-        args = ["--device", self.device]
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        if self.max_model_len:
-            args += ["--max-model-len", str(self.max_model_len)]
-        args += [
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--max-prefill-chunk", str(self.max_prefill_chunk),
-            "--kv-cache-memory-mb", str(self.kv_cache_memory_mb),
-            "--kv-cache-dtype", self.kv_cache_dtype or "auto",
-            "--block-size", str(self.block_size),
-            "--max-waiting-requests", str(self.max_waiting_requests),
-            "--prefix-caching" if self.prefix_caching else "--no-prefix-caching",
-            "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs",
-            "--cuda-graph-max-batch-size", str(self.cuda_graph_max_batch_size),
-            "--num-speculative-tokens", str(self.num_speculative_tokens),
-            "--speculative-by-default" if self.speculative_by_default
-            else "--no-speculative-by-default",
-            "--speculative-max-batch-size", str(self.speculative_max_batch_size),
-            "--speculative-draft-token-cost", str(self.speculative_draft_token_cost),
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
-        ]  # fmt: skip
-        if self.speculative_model:
-            args += ["--speculative-model", self.speculative_model]
-        return args
+        """The same options as `modelship serve` flags, every one given (a replica's command
+        line says it all)."""
+        return flag_args(self)

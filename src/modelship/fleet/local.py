@@ -107,32 +107,17 @@ class LocalFleet:
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
-        serve = self.config.serve
-        limits = self.config.gateway.request_limits  # replicas check the gateway's caps
-        args = [
-            *serve.engine.cli_args(),
-            "--served-model-name", self.served_model_name,
-            "--variant", spec.variant,
-            "--grace-period", str(serve.grace_period_s),
-            "--stall-timeout", str(serve.stall_timeout_s),
-            "--max-n", str(limits.max_n),
-            "--max-stop", str(limits.max_stop),
-            "--max-stop-chars", str(limits.max_stop_chars),
-            "--max-prompts", str(limits.max_prompts),
-            "--max-body-mb", str(limits.max_body_mb),
-            "--log-format", self.config.log_format,
-            *self.config.tracing.cli_args(),
-        ]  # fmt: skip
-        loras = {**serve.loras, **self.runtime_loras}
-        for name, folder in loras.items():
-            args += ["--lora", f"{name}={folder}"]
-        if loras or self.config.gateway.admin_api_key_sha256:
-            args += ["--max-loras", str(serve.max_loras)]
-        if self.config.gateway.admin_api_key_sha256:
-            args += ["--enable-lora-admin"]  # the gateway's admin calls reach every replica
+        options = self.config.replica_options(
+            served_model_name=self.served_model_name,
+            variant=spec.variant,
+            loras={**self.config.serve.loras, **self.runtime_loras},
+            # the gateway's admin calls reach every replica
+            enable_lora_admin=bool(self.config.gateway.admin_api_key_sha256),
+            tracing=self.config.tracing.resolved(),
+        )
         return ReplicaProcess(
             spec.model_dir,
-            *args,
+            *options.replica_args(),
             log_path=self.log_dir / f"{replica_id}.log",
             host="127.0.0.1",
             die_with_parent=True,

@@ -23,6 +23,7 @@ from modelship.gateway.adapters import parse_body
 from modelship.gateway.groups import STABLE
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
+from modelship.gateway.responses import respond
 from modelship.gateway.service import GatewayService
 from modelship.gateway.tenants import Tenant
 
@@ -49,6 +50,9 @@ def create_gateway_app(
 
     async def completions(request: Request) -> Response:
         return await service.handle(request)
+
+    async def responses(request: Request) -> Response:
+        return await respond(service, request)
 
     async def models(request: Request) -> Response:
         try:
@@ -96,6 +100,7 @@ def create_gateway_app(
     routes = [
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", change_adapters, methods=["POST"]),
         Route("/v1/unload_lora_adapter", change_adapters, methods=["POST"]),

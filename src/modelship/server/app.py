@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from modelship.server.errors import (
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
+from modelship.server.responses import create_response
 from modelship.server.serving import OpenAIServing, sse
 from modelship.server.token_limit import TokenIdLimit
 from modelship.server.tracing import TracingMiddleware
@@ -208,6 +210,10 @@ def create_app(
     async def completions(body: p.CompletionRequest, request: Request):
         return await _respond(request, create_completion(serving, body, hints(request)))
 
+    @app.post("/v1/responses", dependencies=[Depends(authenticate)])
+    async def responses(body: dict[str, Any], request: Request):
+        return await _respond(request, create_response(serving, body, hints(request)))
+
     return app
 
 
@@ -254,6 +260,8 @@ async def _respond(request: Request, work) -> Response:
     result = task.result()
     if isinstance(result, p.BaseModel):
         return JSONResponse(result.model_dump())
+    if isinstance(result, dict):
+        return JSONResponse(result)
     return StreamingResponse(_with_error_event(result), media_type="text/event-stream")
 
 

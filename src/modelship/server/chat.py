@@ -8,8 +8,10 @@ from contextlib import aclosing
 
 from modelship.engine import EngineRequest
 from modelship.server import protocol as p
+from modelship.server import tool_calls
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
+from modelship.server.tool_calls import CallParser, ToolCall, ToolUse
 
 
 async def create_chat_completion(
@@ -19,7 +21,8 @@ async def create_chat_completion(
     serving.check_request(request)
     hints.check_fields(request)
     lora = serving.adapter_of(request)
-    prompt = await serving.chat_prompt(request)
+    use = serving.tool_use(request)
+    prompt = await serving.chat_prompt(request, use)
     hints.check_input(len(prompt))
     resumed = serving.resumed_token_ids(request)  # only a stream resumes
     params = serving.sampling_params(request, len(prompt), len(resumed))
@@ -31,7 +34,12 @@ async def create_chat_completion(
     if request.stream:
         deltas = serving.generate(engine_request)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
-        return _stream(serving, request, request_id, len(prompt), len(resumed), first, deltas)
+        parsers = None
+        if use is not None:  # a resumed stream's parsers go on from the text already sent
+            parsers = [_resumed_parser(serving, use, resumed) for _ in range(request.n)]
+        return _stream(
+            serving, request, request_id, len(prompt), len(resumed), first, deltas, parsers
+        )
     choices = await serving.collect(engine_request)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return p.ChatCompletionResponse(
@@ -40,9 +48,8 @@ async def create_chat_completion(
         choices=[
             p.ChatChoice(
                 index=i,
-                message=p.ChatResponseMessage(content=c.text),
                 logprobs=serving.chat_logprobs(c.logprobs, num_top) if request.logprobs else None,
-                finish_reason=c.finish_reason,
+                **_answer(c.text, c.finish_reason, use),
             )
             for i, c in enumerate(choices)
         ],
@@ -54,9 +61,42 @@ async def create_chat_completion(
     )
 
 
-async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas):
+def _answer(text: str, finish_reason: str | None, use: ToolUse | None) -> dict:
+    """A whole choice's message and finish reason: with tools, the calls parsed out of the
+    text (`finish_reason: "tool_calls"` when the model stopped after calling)."""
+    if use is None:
+        return {"message": p.ChatResponseMessage(content=text), "finish_reason": finish_reason}
+    parsed = tool_calls.parse(text, use)
+    if not parsed.calls:
+        return {
+            "message": p.ChatResponseMessage(content=parsed.content),
+            "finish_reason": finish_reason,
+        }
+    message = p.ChatResponseMessage(
+        content=parsed.content.strip() or None, tool_calls=[c.to_api() for c in parsed.calls]
+    )
+    return {"message": message, "finish_reason": _with_calls(finish_reason)}
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _resumed_parser(serving: OpenAIServing, use: ToolUse, resumed: list[int]) -> CallParser:
+    """A parser fed the text a failed replica already streamed (its output discarded: the
+    client has it), so a call cut in half is parsed whole and indices go on."""
+    parser = CallParser(use)
+    if resumed:
+        parser.feed(serving.tokenizer.decode(resumed, skip_special_tokens=True))
+    return parser
+
+
+async def _stream(
+    serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas, parsers=None
+):
     """A resumed stream (`num_resumed` > 0) goes on where the failed one stopped: no opening
-    role chunk, and usage as one uninterrupted stream would have counted it."""
+    role chunk, and usage as one uninterrupted stream would have counted it. With tools
+    (`parsers`, one per choice), calls are parsed out of the text as it streams."""
     created = int(time.time())
     num_top = request.top_logprobs or 0
     exclude = None if request.return_token_ids else WITHOUT_TOKEN_IDS
@@ -85,15 +125,32 @@ async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, 
             if request.logprobs and delta.logprobs:
                 logprobs = serving.chat_logprobs(delta.logprobs, num_top)
             token_ids = delta.token_ids if request.return_token_ids else None
-            if delta.text or logprobs is not None or token_ids:
+            text, calls = delta.text, []
+            if parsers is not None:
+                parser = parsers[delta.index]
+                parsed = parser.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest = parser.flush()
+                    parsed = tool_calls.Parsed(
+                        parsed.content + rest.content, parsed.calls + rest.calls
+                    )
+                text, calls = parsed.content, parsed.calls
+            if text or logprobs is not None or token_ids:
                 yield chunk(
                     delta.index,
-                    p.ChatDelta(content=delta.text),
+                    p.ChatDelta(content=text),
                     logprobs=logprobs,
                     token_ids=token_ids,
                 )
+            if calls:  # indices count the choice's calls from its first
+                first_call = parsers[delta.index].num_calls - len(calls)  # type: ignore[index]
+                for index, call in enumerate(calls, start=first_call):
+                    yield chunk(delta.index, p.ChatDelta(tool_calls=[_call_delta(index, call)]))
             if delta.finish_reason is not None:
-                yield chunk(delta.index, p.ChatDelta(), finish_reason=delta.finish_reason)
+                finish = delta.finish_reason
+                if parsers is not None and parsers[delta.index].num_calls:
+                    finish = _with_calls(finish)
+                yield chunk(delta.index, p.ChatDelta(), finish_reason=finish)
             delta = await anext(deltas, None)
     if request.stream_options and request.stream_options.include_usage:
         usage = p.Usage(
@@ -108,3 +165,8 @@ async def _stream(serving, request, request_id, num_prompt_tokens, num_resumed, 
             exclude,
         )
     yield SSE_DONE
+
+
+def _call_delta(index: int, call: ToolCall) -> p.ToolCallDelta:
+    function = p.ToolCallDeltaFunction(name=call.name, arguments=call.arguments)
+    return p.ToolCallDelta(index=index, id=call.id, type="function", function=function)

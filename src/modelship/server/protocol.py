@@ -113,11 +113,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    """A call the model made (an assistant message's `tool_calls`, in answers and history)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallOut] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -129,6 +168,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -193,7 +235,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -212,9 +255,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """One call in a stream: sent whole here (id, name and all its arguments at once)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction | None = None
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):

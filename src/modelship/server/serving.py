@@ -26,6 +26,7 @@ from modelship.engine import (
 )
 from modelship.engine.outputs import TokenLogprob
 from modelship.server import protocol as p
+from modelship.server import tool_calls
 from modelship.server.errors import (
     APIError,
     BadRequestError,
@@ -36,6 +37,7 @@ from modelship.server.errors import (
 )
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
+from modelship.server.tool_calls import ToolUse
 from modelship.server.tracing import EngineSpans
 from modelship.tracing import Tracing
 
@@ -135,17 +137,29 @@ class OpenAIServing:
         return None if request.model == self.model_name else request.model
 
     # Requests -> engine ----------------------------------------------------------------------
-    async def chat_prompt(self, request: p.ChatCompletionRequest) -> list[int]:
+    def tool_use(self, request: p.ChatCompletionRequest) -> ToolUse | None:
+        """The request's tools and the form the model calls them in (None without tools)."""
+        if not request.tools or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        return tool_calls.tool_use(request, self.tokenizer.get_chat_template(None, tools=[]))
+
+    async def chat_prompt(
+        self, request: p.ChatCompletionRequest, use: ToolUse | None = None
+    ) -> list[int]:
         from jinja2 import TemplateError  # as the tokenizer imports it: on the first chat
 
         if not request.messages:
             raise BadRequestError("messages must contain at least one message", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = tool_calls.template_messages(request.messages, use)
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError("this model has no chat template; use /v1/completions")
+        tools = use.tools if use is not None and use.in_template else None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
             )
         except TemplateError as exc:
             # The template's `raise_exception` (Llama-2's and Mistral's on roles that do not

@@ -7,9 +7,10 @@ body is read first. With fewer commas than `max_model_len` no list in it can be 
 (the common case: one count at memchr speed); any other body is parsed with `json.loads`
 (a fraction of pydantic's cost) and its lists counted: a prompt longer than
 `max_model_len` token ids, more prompts than `max_prompts`, `resume_token_ids` longer
-than `max_model_len`, more `stop_token_ids` than `max_stop`, or more chat `messages` than
-`max_model_len` (every message renders to one token at least, so more cannot fit; a
-million `{}` kept the loop in pydantic the same way) is a 400 naming the field.
+than `max_model_len`, more `stop_token_ids` than `max_stop`, or more chat `messages` (or
+Responses `input` items) than `max_model_len` (every message renders to one token at least,
+so more cannot fit; a million `{}` kept the loop in pydantic the same way) is a 400 naming
+the field.
 Everything else goes on unchanged, the body replayed to the app.
 """
 
@@ -26,7 +27,7 @@ from modelship.server.errors import BadRequestError
 from modelship.server.limits import RequestLimitsConfig
 
 _Message = dict[str, Any]
-_PATHS = ("/v1/completions", "/v1/chat/completions")
+_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class TokenIdLimit:
@@ -87,13 +88,14 @@ class TokenIdLimit:
         return None
 
     def _check_lists(self, request: dict) -> BadRequestError | None:
-        messages = request.get("messages")
-        if isinstance(messages, list) and len(messages) > self.max_model_len:
-            return BadRequestError(
-                f"messages: at most {self.max_model_len} messages (this model's maximum "
-                "context length in tokens; each message takes one at least)",
-                "messages",
-            )
+        for name in ("messages", "input"):  # chat messages, Responses input items
+            messages = request.get(name)
+            if isinstance(messages, list) and len(messages) > self.max_model_len:
+                return BadRequestError(
+                    f"{name}: at most {self.max_model_len} messages (this model's maximum "
+                    "context length in tokens; each message takes one at least)",
+                    name,
+                )
         resumed = request.get("resume_token_ids")
         if isinstance(resumed, list) and len(resumed) > self.max_model_len:
             return BadRequestError(

@@ -60,6 +60,30 @@ def _cpu_safe_pinning():
         yield
 
 
+@contextmanager
+def _deterministic():
+    """Same inputs, same bytes. Two runs of GPTQ or AWQ on the tiny model with two torch
+    threads gave different weights about one time in two (the statistics' multi-threaded
+    reductions add in an order that varies with the threads' timing); with one thread,
+    every run gave the same bytes. So the calibration runs on one thread (the optimize
+    stage makes variants in parallel processes, which is where the cores go), every
+    generator is seeded, and calibration samples are batched in a fixed order."""
+    import random
+
+    import numpy as np
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -86,7 +110,7 @@ def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
             QuantizationModifier(targets="Linear", ignore=["lm_head"], config_groups=groups),
         ]
         pinning = _cpu_safe_pinning()
-    with pinning:
+    with pinning, _deterministic():
         oneshot(
             model=model,
             tokenizer=tokenizer,
@@ -95,6 +119,9 @@ def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
             max_seq_length=recipe.max_seq_length,
             num_calibration_samples=recipe.num_calibration_samples,
             batch_size=recipe.options.get("batch_size", 8),
+            # llm-compressor shuffles with an unseeded sampler by default: batches (and
+            # what truncation cuts from them) would change from run to run
+            shuffle_calibration_samples=False,
         )
     model.save_pretrained(out_dir, save_compressed=True)
     tokenizer.save_pretrained(out_dir)

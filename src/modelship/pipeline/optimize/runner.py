@@ -25,7 +25,8 @@ from modelship.storage import Storage, hash_inputs, intact_artifact, read_manife
 from modelship.storage.manifest import tool_versions, verify_artifact
 
 # Bumped when a scheme's output changes for the same recipe, so memoized variants rebuild.
-OPTIMIZE_CODE_VERSION = 1
+# 2: GPTQ and AWQ calibrate deterministically (one thread, seeded, unshuffled).
+OPTIMIZE_CODE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,12 @@ def recipe_for(variant: str, overrides: dict[str, Any] | None = None) -> Recipe:
 
 
 def variant_inputs(storage: Storage, slug: str, recipe: Recipe) -> dict[str, Any]:
-    base = verify_artifact(storage.base_dir(slug))
+    return inputs_of(storage.base_dir(slug), recipe)
+
+
+def inputs_of(base_dir: Path, recipe: Recipe) -> dict[str, Any]:
+    """What a variant is made from (hashed: its memoization key, and its manifest's)."""
+    base = verify_artifact(base_dir)
     inputs: dict[str, Any] = {
         "stage": "optimize",
         "code": OPTIMIZE_CODE_VERSION,

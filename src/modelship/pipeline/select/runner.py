@@ -40,6 +40,7 @@ from modelship.pipeline.select.scoring import (
     weights_for,
 )
 from modelship.pipeline.select.serving import Workload, measure_serving
+from modelship.serve_options import ServeOptions
 from modelship.storage import (
     ArtifactNotFoundError,
     Storage,
@@ -186,11 +187,10 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
         return
     log(f"measuring serving of {', '.join(pending)}: interleaved rounds")
     started = time.perf_counter()
-    serve_args = config.serve.engine.cli_args()
     outcomes = measure_serving(
         {name: folder for name, (_, folder, _) in pending.items()},
         tokenizer,
-        lambda name: ["--variant", name, *serve_args],
+        lambda name: ServeOptions(engine=config.serve.engine, variant=name).replica_args(),
         Workload(
             latency_requests=s.latency_requests,
             concurrency=s.concurrency,

@@ -1,0 +1,100 @@
+"""`modelship gateway`: the gateway alone, in front of replicas given by address (on
+Kubernetes, the engine Services the render writes), composed from the config as
+`local.py` composes `modelship up`'s. Nothing here starts or scales a replica: the
+addresses are fixed, each unhealthy until its first health check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+
+from modelship.config import ModelshipConfig
+from modelship.gateway.app import create_gateway_app
+from modelship.gateway.engines import EngineKind
+from modelship.gateway.groups import CANARY, STABLE, tier_group
+from modelship.gateway.pool import EndpointPool, static_upstreams
+from modelship.gateway.service import GatewayService
+from modelship.tracing import Tracing
+
+
+class GatewaySetupError(ValueError):
+    """The replicas given and the config make no gateway; the message says which part."""
+
+
+@dataclass(frozen=True)
+class StaticReplicas:
+    """The replicas a standalone gateway routes to (`modelship gateway --endpoint ...`)."""
+
+    stable: list[str]
+    canary: list[str] = field(default_factory=list)
+    canary_weight: int = 0  # percent of traffic to the canary
+    tier_endpoints: list[str] = field(default_factory=list)  # TIER=URL, a gateway.tiers tier's
+    engine: str | None = None  # ours or vllm; None: deploy.serving.engine
+
+
+class StandaloneGateway:
+    """The pool of `replicas` and the gateway service in front of it.
+
+    `environment_api_key` is the service key Kubernetes hands the gateway (MODELSHIP_API_KEY):
+    the replicas may want it (it wins over serve.api_key for them), and it guards the
+    gateway where serve.api_key is unset. Raises `GatewaySetupError`."""
+
+    def __init__(
+        self,
+        config: ModelshipConfig,
+        replicas: StaticReplicas,
+        environment_api_key: str | None = None,
+    ) -> None:
+        if not replicas.stable:
+            raise GatewaySetupError(
+                "no replicas: pass --endpoint URL or set MODELSHIP_GATEWAY_ENDPOINTS"
+            )
+        weight = replicas.canary_weight
+        if replicas.canary and not 0 <= weight <= 99:
+            raise GatewaySetupError(f"--canary-weight must be 0..99 (percent), got {weight}")
+        try:
+            kind = EngineKind(replicas.engine or config.deploy.serving.engine)
+        except ValueError:
+            raise GatewaySetupError(
+                f"--engine must be ours or vllm, got {replicas.engine!r}"
+            ) from None
+        self.pool = EndpointPool(config.gateway.resilience)
+        static_upstreams(self.pool, replicas.stable, STABLE, "stable", engine=kind)
+        static_upstreams(self.pool, replicas.canary, CANARY, "canary", engine=kind)
+        tiers = {tier.name: tier for tier in config.gateway.tiers}
+        tier_urls: dict[str, list[str]] = {}
+        for item in replicas.tier_endpoints:
+            name, _, url = item.partition("=")
+            if name not in tiers or not url:
+                known = ", ".join(tiers) or "none configured"
+                raise GatewaySetupError(
+                    f"--tier-endpoint {item!r}: expected TIER=URL with TIER one of "
+                    f"gateway.tiers ({known})"
+                )
+            tier_urls.setdefault(name, []).append(url)
+        for name, urls in tier_urls.items():
+            variant = tiers[name].variant
+            static_upstreams(self.pool, urls, tier_group(name), "stable", variant, kind)
+        # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
+        # service key.
+        upstream_key = environment_api_key or config.serve.api_key
+        if config.gateway.tenants and not upstream_key:
+            raise GatewaySetupError(
+                "gateway.tenants: the replicas need an API key to trust the gateway's "
+                "per-tenant settings (prefix-cache namespace, max_input_tokens); without one "
+                "tenants would share one prefix cache. Set serve.api_key (or "
+                "MODELSHIP_API_KEY) here and on the replicas"
+            )
+        self.service = GatewayService(
+            config.gateway.bounded_by(config.serve.engine.max_model_len),
+            self.pool,
+            api_key=config.serve.api_key or environment_api_key,
+            upstream_api_key=upstream_key,
+            canary_weight=weight if replicas.canary else 0,
+            tracing=Tracing(config.tracing, "modelship-gateway"),
+            access_log=config.log_format == "json",
+        )
+
+    def app(self) -> Starlette:
+        return create_gateway_app(self.service)

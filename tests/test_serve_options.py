@@ -72,6 +72,8 @@ def every_field_set(tiny_llama_dir: Path, tmp_path: Path) -> ServeOptions:
         tracing={"exporter": "file", "endpoint": "http://127.0.0.1:4318", "sample_ratio": 0.25,
                  "file": tmp_path / "spans.jsonl"},
         engine_core="thread",
+        tool_call_parser="llama3_json",
+        reasoning_parser="qwen3",
     )  # fmt: skip
 
 

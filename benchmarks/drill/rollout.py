@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from modelship.fleet.releases import read_traffic
+from modelship.release.traffic import read_traffic
 from modelship.storage import Storage
 
 from drill.common import DrillContext, DrillResult, wait_until

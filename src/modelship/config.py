@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelship.deploy.config import DeployConfig
-from modelship.fleet.config import SupervisorConfig
+from modelship.fleet.config import AutoscaleConfig
 from modelship.gateway.config import GatewayConfig
 from modelship.serve_options import ReplicaOptions, ServeOptions
 from modelship.tracing import TracingConfig
@@ -122,7 +122,7 @@ class ModelshipConfig(Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     retries: RetryConfig = Field(default_factory=RetryConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    autoscale: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)  # gateway and replicas
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with trace ids

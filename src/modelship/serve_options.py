@@ -64,6 +64,19 @@ class ReplicaOptions(BaseModel):
         "stalled (/ready and /health 503, so it is routed around and restarted).",
     )
 
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "generic"] = Field(
+        default="auto",
+        description="The form the model writes tool calls in (auto: read from its chat "
+        "template; generic: tools described in a system turn, calls as <tool_call> blocks).",
+    )
+
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
+        default="auto",
+        description="Split <think>...</think> into reasoning_content: qwen3, deepseek_r1 (the "
+        "output starts thinking), none, or auto (qwen3 when the chat template mentions "
+        "<think>).",
+    )
+
     @field_validator("loras")
     @classmethod
     def _adapter_names(cls, loras: dict[str, str]) -> dict[str, str]:
@@ -149,6 +162,10 @@ class ServeOptions(ReplicaOptions):
             spec = {"method": "ngram", "num_speculative_tokens": engine.num_speculative_tokens,
                     "prompt_lookup_max": 3, "prompt_lookup_min": 1}  # fmt: skip
             args += ["--speculative-config", json.dumps(spec)]
+        if self.tool_call_parser in ("hermes", "llama3_json", "mistral"):  # vLLM's names
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser in ("qwen3", "deepseek_r1"):  # vLLM's names
+            args += ["--reasoning-parser", self.reasoning_parser]
         if self.loras:  # vLLM serves them by the same names: the request's `model` picks one
             modules = [f"{name}={path}" for name, path in self.loras.items()]
             args += ["--enable-lora", "--max-loras", str(self.max_loras),

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor, SupervisorConfig
+from modelship.fleet.supervisor import AutoscaleConfig, ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.groups import STABLE, Group, tier_group
 from modelship.gateway.pool import EndpointPool
@@ -43,7 +43,7 @@ def test_a_replica_not_ready_in_time_is_killed_and_the_log_says_how_long(
         launched.append(NeverReady(spec.model_dir, log_path=tmp_path / f"{replica_id}.log"))
         return launched[-1]
 
-    config = SupervisorConfig(
+    config = AutoscaleConfig(
         min_replicas=1, max_replicas=1, replica_start_timeout_s=300, restart_backoff_s=10
     )
     supervisor = Supervisor(config, EndpointPool(ResilienceConfig()), None, launch, clock)
@@ -84,7 +84,7 @@ def test_a_stale_replica_still_starting_is_drained_at_once(tmp_path: Path, group
         launched.append(NeverReady(spec.model_dir, log_path=tmp_path / f"{replica_id}.log"))
         return launched[-1]
 
-    config = SupervisorConfig(min_replicas=1, max_replicas=1)
+    config = AutoscaleConfig(min_replicas=1, max_replicas=1)
     economy = TierConfig(name="economy", variant="int4")
     pool = EndpointPool(ResilienceConfig())
     supervisor = Supervisor(config, pool, None, launch, clock, tiers=[economy])

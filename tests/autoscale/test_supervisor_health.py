@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from modelship.fleet.metrics import FleetMetrics
-from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor, SupervisorConfig
+from modelship.fleet.supervisor import AutoscaleConfig, ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.groups import CANARY, STABLE, Group, tier_group
 from modelship.gateway.pool import EndpointPool
@@ -91,7 +91,7 @@ def make_supervisor(tmp_path: Path, launched: list, clock: FakeClock, health: in
     # A cheaper tier with the stable track's bounds: every group is scaled the same way.
     economy = TierConfig(name="economy", variant="int4", min_replicas=settings["min_replicas"],
                          max_replicas=settings["max_replicas"])  # fmt: skip
-    return Supervisor(SupervisorConfig(**settings), pool, None, launch, clock, tiers=[economy])
+    return Supervisor(AutoscaleConfig(**settings), pool, None, launch, clock, tiers=[economy])
 
 
 async def wait_ready(supervisor: Supervisor, clock: FakeClock) -> None:

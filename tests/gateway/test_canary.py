@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from modelship.fleet.releases import end_canary, promote_canary, read_traffic, start_canary
 from modelship.gateway.canary import (
     REFERENCE_PROMPT_TOKENS,
     CanaryJudge,
@@ -21,6 +20,7 @@ from modelship.gateway.request import parse_request
 from modelship.gateway.service import GatewayService
 from modelship.gateway.tenants import Tenant, TenantConfig, hash_api_key
 from modelship.pipeline.errors import PipelineError
+from modelship.release.traffic import end_canary, promote_canary, read_traffic, start_canary
 from modelship.storage import Storage
 
 from fleet_storage import publish_release

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from modelship import golden
+from modelship.release import golden
 from modelship.storage import Storage
 
 from fleet_process import UpProcess

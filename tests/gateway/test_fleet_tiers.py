@@ -207,9 +207,9 @@ def test_a_tier_replica_is_probed_against_its_own_variants_golden_answers(
     serves: a cheaper tier's gptq replica is not held to the fp16 release's answers."""
     import json
 
-    from modelship import golden
     from modelship.config import ModelshipConfig
     from modelship.fleet.local import LocalFleet
+    from modelship.release import golden
 
     def answer(text: str) -> dict:
         return {"prompt": "2+2=", "text": text, "tokens": [text], "logprobs": [-0.1]}

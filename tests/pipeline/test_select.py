@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from modelship.golden import read_reference
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.optimize import optimize
 from modelship.pipeline.run import run_pipeline
-from modelship.pipeline.select.runner import rollback, select
+from modelship.pipeline.select.runner import select
+from modelship.release.golden import read_reference
+from modelship.release.traffic import rollback
 from modelship.storage import Storage, read_manifest
 
 from pipeline_config import tiny_config

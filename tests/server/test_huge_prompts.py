@@ -14,7 +14,7 @@ from modelship.engine.outputs import EngineStats
 from modelship.engine.tokenizer import Tokenizer
 from modelship.server import protocol as p
 from modelship.server.metrics import ServerMetrics
-from modelship.server.serving import OpenAIServing
+from modelship.server.openai_translation import OpenAIServing
 
 MODEL = "tiny"
 HUGE = "hello world " * 100_000  # 1.2 MB: a second or more of tokenizing

@@ -50,7 +50,7 @@ SELECT_PARENT = textwrap.dedent(
     import sys
     from pathlib import Path
     from transformers import AutoTokenizer
-    from modelship.pipeline.select.serving import Workload, measure_serving
+    from modelship.pipeline.select.serving_benchmark import Workload, measure_serving
 
     model_dir, log_dir = Path(sys.argv[1]), Path(sys.argv[2])
     workload = Workload(

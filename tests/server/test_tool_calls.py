@@ -178,6 +178,25 @@ def client(tiny_llama_dir: Path) -> Iterator[openai.OpenAI]:
     server.stop()
 
 
+def test_a_parser_flag_sets_the_form_the_answer_is_parsed_in(tiny_llama_dir: Path) -> None:
+    """With `--tool-call-parser hermes` the tools go to the template (which ignores them:
+    no system turn is added), unlike the generic form the tiny template gets by default."""
+    server = ServerProcess(
+        tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "512",
+        "--kv-cache-memory-mb", "16", "--tool-call-parser", "hermes",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        question = [{"role": "user", "content": "Weather in Paris?"}]
+        plain = client.chat.completions.create(model=MODEL, max_tokens=1, messages=question)
+        tooled = client.chat.completions.create(
+            model=MODEL, max_tokens=1, messages=question, tools=[WEATHER]
+        )
+        assert tooled.usage.prompt_tokens == plain.usage.prompt_tokens  # type: ignore[union-attr]
+    finally:
+        server.stop()
+
+
 def test_tools_and_tool_history_reach_the_prompt(client: openai.OpenAI) -> None:
     def prompt_tokens(**fields) -> int:
         answer = client.chat.completions.create(model=MODEL, max_tokens=1, **fields)

@@ -160,7 +160,7 @@ def canary(
     storage: ConfigStorageOption = None,
 ) -> None:
     """Send WEIGHT percent of traffic to RELEASE; a running `modelship up` follows."""
-    from modelship.fleet.releases import start_canary
+    from modelship.release.traffic import start_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -176,7 +176,7 @@ def promote(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """Make the canary production; its replicas become the stable ones."""
-    from modelship.fleet.releases import promote_canary
+    from modelship.release.traffic import promote_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -191,7 +191,7 @@ def rollback(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """End the canary: all traffic back to production."""
-    from modelship.fleet.releases import end_canary
+    from modelship.release.traffic import end_canary
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -209,7 +209,7 @@ def status(
     config_path: ConfigOption = None, model: ModelOption = None, storage: ConfigStorageOption = None
 ) -> None:
     """Production, the canary and the release history."""
-    from modelship.fleet.releases import read_traffic
+    from modelship.release.traffic import read_traffic
 
     _, store, slug = model_context(config_path, storage, model)
     try:
@@ -240,7 +240,7 @@ def show(
     intervals, gates, why it won, and its canary / promotion history."""
     import json
 
-    from modelship.fleet.releases import release_record
+    from modelship.release.traffic import release_record
 
     _, store, slug = model_context(config_path, storage, model)
     number = release if release is not None else store.production_release(slug)

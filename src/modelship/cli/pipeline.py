@@ -182,8 +182,8 @@ def rollback(
     storage: ConfigStorageOption = None,
 ) -> None:
     """Point production at an earlier release (atomically)."""
-    from modelship.fleet.releases import record_event
-    from modelship.pipeline.select.runner import rollback as run_rollback
+    from modelship.release.traffic import record_event
+    from modelship.release.traffic import rollback as run_rollback
 
     _, store, slug = model_context(config_path, storage, model)
     try:

@@ -18,6 +18,7 @@ from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
 from modelship.flags import FlagSpec, flag_specs, unwrap_optional, values_from_params
 from modelship.pipeline.errors import PipelineError
 from modelship.serve_options import ServeOptions
+from modelship.server.reasoning import ReasoningParser
 
 app = typer.Typer()
 
@@ -94,6 +95,8 @@ def serve(
         stall_timeout_s=options.stall_timeout_s,
         tracing=options.tracing,
         lora_admin=options.enable_lora_admin,
+        tool_call_parser=options.tool_call_parser,
+        reasoning_parser=ReasoningParser(options.reasoning_parser),
     )
     if code:
         raise typer.Exit(code)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from modelship.deploy.context import RenderContext
+from modelship.deploy.deployment import disruption_budget, serves_annotation
 from modelship.deploy.names import labels, metadata, selector
 from modelship.deploy.pod import (
     data_volume,
@@ -25,7 +26,6 @@ from modelship.deploy.pod import (
     prometheus_annotations,
     termination_grace_s,
 )
-from modelship.deploy.serving import disruption_budget, serves_annotation
 
 Json = dict[str, Any]
 PREDICTOR = "predictor"

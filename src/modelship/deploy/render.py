@@ -23,10 +23,10 @@ from modelship.deploy.checks import check_objects
 from modelship.deploy.cluster import cluster_objects
 from modelship.deploy.context import RenderContext
 from modelship.deploy.dashboard import dashboard_configmap, dashboard_json
+from modelship.deploy.deployment import METRICS_PORT, deployment_serving
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
 from modelship.deploy.names import labels
-from modelship.deploy.serving import METRICS_PORT, deployment_serving
 from modelship.deploy.workflow import task_name, workflow
 from modelship.serve_options import VLLM_KV_CACHE_DTYPES
 

@@ -1,6 +1,6 @@
 """Sampling as pure functions over logits and per-row tensors, with an explicit greedy path.
 
-Order: penalties -> logprobs (of the penalized distribution, before temperature and
+Order: logit bias -> penalties -> logprobs (of the penalized distribution, before temperature and
 filters: the model's view, as OpenAI-style APIs report it) -> greedy rows take the argmax;
 random rows: temperature -> top-k -> top-p -> min-p -> exponential race. Each seeded row
 draws its noise from its own generator, so a seeded request samples the same tokens
@@ -24,6 +24,30 @@ from modelship.engine.sampling_params import SamplingParams
 
 
 @dataclass
+class LogitBias:
+    """The batch's `logit_bias` entries, flattened: entry i adds `values[i]` to the logit of
+    `token_ids[i]` in row `rows[i]` (a few hundred entries at most per row, never a dense
+    [batch, vocab] tensor)."""
+
+    rows: torch.Tensor  # [num_entries] int64
+    token_ids: torch.Tensor  # [num_entries] int64
+    values: torch.Tensor  # [num_entries] float32
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device | str) -> LogitBias | None:
+        entries = [(row, token_id, value) for row, p in enumerate(params)
+                   for token_id, value in (p.logit_bias or {}).items()]  # fmt: skip
+        if not entries:
+            return None
+        rows, token_ids, values = zip(*entries, strict=True)
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            values=torch.tensor(values, dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling settings of one batch, as tensors ([batch] unless noted)."""
 
@@ -37,6 +61,7 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None  # [batch, vocab] bool: token occurs in the prompt
     output_counts: torch.Tensor | None  # [batch, vocab] float: occurrences in the output
     generators: list[torch.Generator | None]
+    logit_bias: LogitBias | None  # None: no row has one
     greedy: list[bool]
     all_greedy: bool
     needs_penalties: bool
@@ -78,6 +103,7 @@ class SamplingMetadata:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             generators=generators,
+            logit_bias=LogitBias.build(params, device),
             greedy=greedy,
             all_greedy=all(greedy),
             needs_penalties=needs_penalties,
@@ -122,6 +148,12 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> torch.
                 padded[row, : len(ids)] = torch.tensor(ids, device=device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """`logits` with each row's biases added (a new tensor: the caller's is left as it was)."""
+    return logits.index_put((bias.rows, bias.token_ids), bias.values.to(logits.dtype),
+                            accumulate=True)  # fmt: skip
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -176,6 +208,8 @@ def process_logits(
     logits random rows draw from, softmax(scaled) being a row's final sampling
     distribution (temperature, top-k, top-p, min-p applied). Speculative verification
     reads the same two (`engine.speculative`)."""
+    if m.logit_bias is not None:
+        logits = apply_logit_bias(logits, m.logit_bias)
     if m.needs_penalties:
         # An extreme repetition penalty (1e-300, 1e308) overflows a logit to +-inf, and the
         # row's softmax to NaN: keep every penalized logit finite.

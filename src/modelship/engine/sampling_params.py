@@ -14,6 +14,8 @@ MAX_LOGPROBS = 20
 # +inf), which the sampler takes for a broken model and stops the engine on. Useful
 # penalties lie near 1.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# OpenAI's bounds on `logit_bias`: entries per request, and each bias's magnitude.
+MAX_LOGIT_BIAS_ENTRIES, MAX_LOGIT_BIAS = 300, 100.0
 
 
 class InvalidParamsError(ValueError):
@@ -49,6 +51,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # token id -> a bias added to its logit before penalties and temperature (OpenAI's
+    # `logit_bias`): 100 all but forces the token, -100 all but bans it
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -142,12 +147,42 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParamsError(param, message)
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParamsError(
+                "logit_bias",
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
+            )
+        for token_id, value in bias.items():
+            if not _is_int(token_id) or token_id < 0:
+                raise InvalidParamsError("logit_bias", "logit_bias keys must be token ids")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS  # NaN fails too
+            ):
+                raise InvalidParamsError(
+                    "logit_bias",
+                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}] (token {token_id})",
+                )
 
     def verify(self, vocab_size: int) -> None:
         """Every check again (the fields may have been changed since construction), then
         the ones that need the model: raises `InvalidParamsError` for a `top_k` or a
-        number of logprobs beyond the vocabulary (the sampler would index past it)."""
+        number of logprobs or a `logit_bias` token beyond the vocabulary (the sampler would
+        index past it)."""
         self._check()
+        outside = [t for t in self.logit_bias or () if t >= vocab_size]
+        if outside:
+            raise InvalidParamsError(
+                "logit_bias", f"logit_bias: token id {outside[0]} is not in [0, {vocab_size})"
+            )
         if self.top_k > vocab_size:
             raise InvalidParamsError("top_k", f"top_k must be at most the vocab size, {vocab_size}")
         for param in ("logprobs", "prompt_logprobs"):

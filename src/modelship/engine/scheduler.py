@@ -19,11 +19,14 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from modelship.engine.block_manager import NO_HIT, BlockManager
-from modelship.engine.config import EngineConfig
 from modelship.engine.errors import EngineOverloadedError, RequestTooLongError
 from modelship.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # engine.config loads torch and the model's kernels; the policy reads fields
+    from modelship.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

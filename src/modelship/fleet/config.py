@@ -8,7 +8,7 @@ from pydantic import Field
 from modelship.autoscale.policy import AutoscalerConfig
 
 
-class SupervisorConfig(AutoscalerConfig):
+class AutoscaleConfig(AutoscalerConfig):
     """The `autoscale:` section: the policy's settings plus how replicas are run."""
 
     scale_down_window_s: float = Field(default=60.0, ge=0)

@@ -20,10 +20,8 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 
-from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.fleet.metrics import FleetMetrics
-from modelship.fleet.releases import end_canary, read_traffic
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.adapters import Action, FanOut, fan_out, is_under
 from modelship.gateway.app import create_gateway_app
@@ -35,6 +33,8 @@ from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
+from modelship.release import golden
+from modelship.release.traffic import end_canary, read_traffic
 from modelship.server.process import ReplicaProcess
 from modelship.storage import Storage, StorageError, read_manifest
 from modelship.tracing import Tracing

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from modelship.autoscale.policy import AutoscalerPolicy
-from modelship.fleet.config import SupervisorConfig
+from modelship.fleet.config import AutoscaleConfig
 from modelship.fleet.metrics import FleetMetrics
 from modelship.gateway.groups import CANARY, STABLE, Group, tier_group
 from modelship.gateway.metrics import FleetSnapshot
@@ -108,7 +108,7 @@ class GroupState:
 class Supervisor:
     def __init__(
         self,
-        config: SupervisorConfig,
+        config: AutoscaleConfig,
         pool: EndpointPool,
         metrics: FleetMetrics | None,
         launch: Launcher,

@@ -1,7 +1,7 @@
 """The quality-drift probe: replay a release's golden prompts against each of its replicas.
 
 `select` recorded the winner's greedy answers to the golden prompts, token by token with
-logprobs (`golden.json` in the release, `modelship/golden.py`). The probe asks every
+logprobs (`golden.json` in the release, `modelship/release/golden.py`). The probe asks every
 replica the same prompts directly (not through routing, admission or tenants) as soon as
 it is ready and every `interval_s` after, and exports how much of the reference it
 reproduced. A replica below `min_agreement` raises `modelship_gateway_drift_alert`; on the
@@ -22,10 +22,10 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from modelship import golden
 from modelship.gateway.config import DriftProbeConfig
 from modelship.gateway.metrics import PREFIX
 from modelship.gateway.pool import EndpointPool, Upstream
+from modelship.release import golden
 
 logger = logging.getLogger(__name__)
 

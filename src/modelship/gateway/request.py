@@ -183,6 +183,11 @@ def parse_request(
         n = 1
     if not _is_int(n) or not 1 <= n <= limits.max_n:
         raise GatewayError(400, f"n: must be an integer from 1 to {limits.max_n}.")
+    # a completion's `best_of` candidates all run (the replica returns the best `n`)
+    best_of = body.get("best_of") if not path.endswith("/chat/completions") else None
+    if best_of is not None and (not _is_int(best_of) or not n <= best_of <= limits.max_n):
+        raise GatewayError(400, f"best_of: must be an integer from n to {limits.max_n}.",
+                           param="best_of")  # fmt: skip
     check_stop(body.get("stop"), limits)
     user = body.get("user")
     return ParsedRequest(
@@ -195,7 +200,7 @@ def parse_request(
         prefix_text=prompt.prefix_text,
         user=user if isinstance(user, str) else None,
         session_id=session_id,
-        num_sequences=n * prompt.num_prompts,
+        num_sequences=(best_of or n) * prompt.num_prompts,
         raw=raw,
     )
 

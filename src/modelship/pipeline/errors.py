@@ -1,8 +1,6 @@
 """Typed errors of the pipeline stages; the CLI prints their message as one line."""
 
-
-class PipelineError(Exception):
-    """A stage could not do its job; the message is a one-line reason naming the input."""
+from modelship.errors import PipelineError
 
 
 class AcquireError(PipelineError):

@@ -31,8 +31,9 @@ from modelship.server.errors import (
 from modelship.server.gateway_hints import GatewayHints
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import CONTENT_TYPE, ServerMetrics
+from modelship.server.openai_translation import OpenAIServing, sse
+from modelship.server.reasoning import ReasoningParser
 from modelship.server.responses import create_response
-from modelship.server.serving import OpenAIServing, sse
 from modelship.server.token_limit import TokenIdLimit
 from modelship.server.tracing import TracingMiddleware
 from modelship.tracing import Tracing
@@ -61,6 +62,8 @@ def create_app(
     tracing: Tracing | None = None,
     adapters: Mapping[str, str] | None = None,  # name -> folder, served from the start
     lora_admin: bool = False,
+    tool_call_parser: str = "auto",
+    reasoning_parser: ReasoningParser = ReasoningParser.auto,
 ) -> FastAPI:
     """Build the OpenAI-compatible app for one engine (warm-up runs at startup).
 
@@ -77,6 +80,8 @@ def create_app(
         limits,
         tracing,
         adapters,
+        tool_call_parser,
+        reasoning_parser,
     )
 
     @asynccontextmanager

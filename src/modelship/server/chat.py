@@ -1,17 +1,23 @@
-"""`POST /v1/chat/completions`: whole responses and SSE streams."""
+"""`POST /v1/chat/completions`: whole responses and SSE streams.
+
+Each choice's text goes through a `ChoiceReader`: a reasoning model's thinking is split off
+first (`reasoning.py`), then, with tools, calls are parsed out of the rest
+(`tool_calls.py`); what remains is the content.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from modelship.engine import EngineRequest
 from modelship.server import protocol as p
-from modelship.server import tool_calls
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
-from modelship.server.tool_calls import CallParser, ToolCall, ToolUse
+from modelship.server.openai_translation import SSE_DONE, WITHOUT_TOKEN_IDS, OpenAIServing, sse
+from modelship.server.reasoning import ReasoningSplitter, Split
+from modelship.server.tool_calls import CallParser, ToolCall
 
 
 async def create_chat_completion(
@@ -31,14 +37,20 @@ async def create_chat_completion(
     engine_request = EngineRequest(
         request_id, prompt + resumed, params, request.priority, hints.cache_salt, lora
     )
+
+    def reader() -> ChoiceReader:
+        return ChoiceReader(serving.reasoning_splitter(prompt), CallParser(use) if use else None)
+
     if request.stream:
         deltas = serving.generate(engine_request)
         first = await anext(deltas)  # admission errors surface here, before any byte is sent
-        parsers = None
-        if use is not None:  # a resumed stream's parsers go on from the text already sent
-            parsers = [_resumed_parser(serving, use, resumed) for _ in range(request.n)]
+        readers = [reader() for _ in range(request.n)]
+        if resumed:  # a resumed stream's readers go on from the text already sent
+            sent = serving.tokenizer.decode(resumed, skip_special_tokens=True)
+            for each in readers:
+                each.feed(sent)  # the client has it: dropped
         return _stream(
-            serving, request, request_id, len(prompt), len(resumed), first, deltas, parsers
+            serving, request, request_id, len(prompt), len(resumed), first, deltas, readers
         )
     choices = await serving.collect(engine_request)
     completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -49,7 +61,7 @@ async def create_chat_completion(
             p.ChatChoice(
                 index=i,
                 logprobs=serving.chat_logprobs(c.logprobs, num_top) if request.logprobs else None,
-                **_answer(c.text, c.finish_reason, use),
+                **reader().whole(c.text, c.finish_reason),
             )
             for i, c in enumerate(choices)
         ],
@@ -61,42 +73,78 @@ async def create_chat_completion(
     )
 
 
-def _answer(text: str, finish_reason: str | None, use: ToolUse | None) -> dict:
-    """A whole choice's message and finish reason: with tools, the calls parsed out of the
-    text (`finish_reason: "tool_calls"` when the model stopped after calling)."""
-    if use is None:
-        return {"message": p.ChatResponseMessage(content=text), "finish_reason": finish_reason}
-    parsed = tool_calls.parse(text, use)
-    if not parsed.calls:
-        return {
-            "message": p.ChatResponseMessage(content=parsed.content),
-            "finish_reason": finish_reason,
-        }
-    message = p.ChatResponseMessage(
-        content=parsed.content.strip() or None, tool_calls=[c.to_api() for c in parsed.calls]
-    )
-    return {"message": message, "finish_reason": _with_calls(finish_reason)}
+@dataclass
+class Read:
+    """What a piece of a choice's text holds."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def delta(self) -> p.ChatDelta:
+        """A piece of content, of reasoning, or of both (content None in a reasoning-only
+        one)."""
+        reasoning = self.reasoning or None
+        content = self.content if self.content or reasoning is None else None
+        return p.ChatDelta(content=content, reasoning_content=reasoning, reasoning=reasoning)
 
 
-def _with_calls(finish_reason: str | None) -> str | None:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+class ChoiceReader:
+    """One choice's text, piece by piece: thinking split off (`splitter`, None for a model
+    that does not reason), then tool calls parsed out (`parser`, None without tools)."""
 
+    def __init__(self, splitter: ReasoningSplitter | None, parser: CallParser | None) -> None:
+        self.splitter = splitter
+        self.parser = parser
 
-def _resumed_parser(serving: OpenAIServing, use: ToolUse, resumed: list[int]) -> CallParser:
-    """A parser fed the text a failed replica already streamed (its output discarded: the
-    client has it), so a call cut in half is parsed whole and indices go on."""
-    parser = CallParser(use)
-    if resumed:
-        parser.feed(serving.tokenizer.decode(resumed, skip_special_tokens=True))
-    return parser
+    @property
+    def num_calls(self) -> int:
+        return self.parser.num_calls if self.parser is not None else 0
+
+    def feed(self, text: str) -> Read:
+        split = Split(content=text) if self.splitter is None else self.splitter.feed(text)
+        return self._parse(split)
+
+    def finish(self) -> Read:
+        """The held-back tails, once the choice ended."""
+        read = self._parse(Split() if self.splitter is None else self.splitter.finish())
+        if self.parser is not None:
+            rest = self.parser.flush()
+            read.content += rest.content
+            read.calls += rest.calls
+        return read
+
+    def whole(self, text: str, finish_reason: str | None) -> dict:
+        """A whole choice's `message` and `finish_reason` (`"tool_calls"` when the model
+        stopped after calling)."""
+        first, rest = self.feed(text), self.finish()
+        reasoning = (first.reasoning + rest.reasoning) or None
+        content = first.content + rest.content
+        calls = first.calls + rest.calls
+        message = p.ChatResponseMessage(
+            content=(content.strip() or None) if calls else content,
+            tool_calls=[call.to_api() for call in calls] or None,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+        )
+        return {"message": message, "finish_reason": self.finish_reason(finish_reason)}
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return "tool_calls" if finish_reason == "stop" and self.num_calls else finish_reason
+
+    def _parse(self, split: Split) -> Read:
+        if self.parser is None or not split.content:
+            return Read(split.reasoning, split.content)
+        parsed = self.parser.feed(split.content)
+        return Read(split.reasoning, parsed.content, parsed.calls)
 
 
 async def _stream(
-    serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas, parsers=None
+    serving, request, request_id, num_prompt_tokens, num_resumed, first, deltas, readers
 ):
     """A resumed stream (`num_resumed` > 0) goes on where the failed one stopped: no opening
-    role chunk, and usage as one uninterrupted stream would have counted it. With tools
-    (`parsers`, one per choice), calls are parsed out of the text as it streams."""
+    role chunk, and usage as one uninterrupted stream would have counted it. `readers`: per
+    choice, what its text holds (reasoning, content, tool calls: each call is one delta)."""
     created = int(time.time())
     num_top = request.top_logprobs or 0
     exclude = None if request.return_token_ids else WITHOUT_TOKEN_IDS
@@ -109,6 +157,11 @@ async def _stream(
             ),
             exclude,
         )
+
+    def calls(index: int, read: Read) -> list[str]:
+        first_call = readers[index].num_calls - len(read.calls)  # indices count from the first
+        return [chunk(index, p.ChatDelta(tool_calls=[_call_delta(number, call)]))
+                for number, call in enumerate(read.calls, start=first_call)]  # fmt: skip
 
     if not num_resumed:
         for index in range(request.n):
@@ -125,31 +178,19 @@ async def _stream(
             if request.logprobs and delta.logprobs:
                 logprobs = serving.chat_logprobs(delta.logprobs, num_top)
             token_ids = delta.token_ids if request.return_token_ids else None
-            text, calls = delta.text, []
-            if parsers is not None:
-                parser = parsers[delta.index]
-                parsed = parser.feed(delta.text)
-                if delta.finish_reason is not None:
-                    rest = parser.flush()
-                    parsed = tool_calls.Parsed(
-                        parsed.content + rest.content, parsed.calls + rest.calls
-                    )
-                text, calls = parsed.content, parsed.calls
-            if text or logprobs is not None or token_ids:
-                yield chunk(
-                    delta.index,
-                    p.ChatDelta(content=text),
-                    logprobs=logprobs,
-                    token_ids=token_ids,
-                )
-            if calls:  # indices count the choice's calls from its first
-                first_call = parsers[delta.index].num_calls - len(calls)  # type: ignore[index]
-                for index, call in enumerate(calls, start=first_call):
-                    yield chunk(delta.index, p.ChatDelta(tool_calls=[_call_delta(index, call)]))
+            reader = readers[delta.index]
+            read = reader.feed(delta.text)
+            if read.content or read.reasoning or logprobs is not None or token_ids:
+                yield chunk(delta.index, read.delta(), logprobs=logprobs, token_ids=token_ids)
+            for call in calls(delta.index, read):
+                yield call
             if delta.finish_reason is not None:
-                finish = delta.finish_reason
-                if parsers is not None and parsers[delta.index].num_calls:
-                    finish = _with_calls(finish)
+                rest = reader.finish()
+                if rest.content or rest.reasoning:  # a held-back tail that was no tag or call
+                    yield chunk(delta.index, rest.delta())
+                for call in calls(delta.index, rest):
+                    yield call
+                finish = reader.finish_reason(delta.finish_reason)
                 yield chunk(delta.index, p.ChatDelta(), finish_reason=finish)
             delta = await anext(deltas, None)
     if request.stream_options and request.stream_options.include_usage:

@@ -11,7 +11,7 @@ from modelship.engine import EngineRequest, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import SSE_DONE, OpenAIServing, sse
+from modelship.server.openai_translation import SSE_DONE, OpenAIServing, sse
 
 
 async def create_completion(
@@ -47,12 +47,12 @@ async def create_completion(
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None  # the first error is the answer, as before
     results = [task.result() for task in tasks]
+    # every candidate was generated: usage counts all of them, as OpenAI bills best_of
+    completion_tokens = sum(len(c.token_ids) for per_prompt in results for c in per_prompt)
     choices = []
-    completion_tokens = 0
-    for prompt_index, (prompt, per_prompt) in enumerate(zip(prompts, results, strict=True)):
+    for prompt_index, (prompt, candidates) in enumerate(zip(prompts, results, strict=True)):
         prefix = serving.tokenizer.decode(prompt) if request.echo else ""
-        for i, choice in enumerate(per_prompt):
-            completion_tokens += len(choice.token_ids)
+        for i, choice in enumerate(_best(candidates, request.n)):
             logprobs = None
             if request.logprobs is not None:
                 echoed = (prompt, choice.prompt_logprobs) if request.echo else None
@@ -76,6 +76,14 @@ async def create_completion(
             total_tokens=num_prompt_tokens + completion_tokens,
         ),
     )
+
+
+def _best(candidates: list, n: int) -> list:
+    """The `n` candidates with the highest cumulative logprob (`best_of`, as vLLM ranks
+    them), best first; all of them, in order, when there are only `n`."""
+    if len(candidates) == n:
+        return candidates
+    return sorted(candidates, key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)[:n]
 
 
 async def _stream(serving, request, request_id, prompt, num_resumed, first, deltas):

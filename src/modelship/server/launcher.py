@@ -21,6 +21,7 @@ from modelship.http_limits import uvicorn_http_options
 from modelship.logs import uvicorn_log_config
 from modelship.server.app import ServerState, create_app
 from modelship.server.limits import RequestLimitsConfig
+from modelship.server.reasoning import ReasoningParser
 from modelship.tracing import Tracing, TracingConfig
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ def serve(
     stall_timeout_s: float = 120.0,
     tracing: TracingConfig | None = None,
     lora_admin: bool = False,
+    tool_call_parser: str = "auto",
+    reasoning_parser: ReasoningParser = ReasoningParser.auto,
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
     (a bound socket handed over by the parent process), listen on it instead of binding
@@ -84,6 +87,8 @@ def serve(
         tracing=tracer,
         adapters=dict(engine_config.loras) if engine_config else None,
         lora_admin=lora_admin,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     config = uvicorn.Config(
         app,

@@ -6,7 +6,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from modelship.adapter_names import ADAPTER_NAME_PATTERN
@@ -61,7 +69,8 @@ def _is_text(value: str) -> bool:
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras).
+    # Fields outside the spec are ignored, as OpenAI-compatible servers do (clients send
+    # extras); what happens to each of the spec's is decided in `request_fields.py`.
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -86,6 +95,8 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    # token id (a string, as JSON keys are) -> a bias added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -157,6 +168,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallOut] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # the deprecated functions API's call in the history: refused (`request_fields`)
+    function_call: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -175,6 +188,24 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted without effect or refused unless they ask for nothing (`request_fields.py`);
+    # declared so that a client's value is seen, not dropped as an unknown field.
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 def _prompt_form(prompt: Any) -> str:
@@ -202,6 +233,10 @@ class CompletionRequest(_Request):
     prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
+    # candidates generated per prompt; the `n` with the highest cumulative logprob return
+    best_of: int | None = None
+    # text after the completion (fill-in-the-middle): only models with FIM tokens take it
+    suffix: str | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -233,7 +268,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatResponseMessage(BaseModel):
+class _Reasoning(BaseModel):
+    """A reasoning model's thinking (`server/reasoning.py`), under both names clients read;
+    left out of the JSON when there is none."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatResponseMessage(_Reasoning):
     role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
@@ -269,7 +320,7 @@ class ToolCallDelta(BaseModel):
     function: ToolCallDeltaFunction | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_Reasoning):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None

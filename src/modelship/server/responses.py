@@ -15,7 +15,7 @@ from modelship.server import protocol as p
 from modelship.server.chat import create_chat_completion
 from modelship.server.errors import APIError, BadRequestError
 from modelship.server.gateway_hints import GatewayHints
-from modelship.server.serving import OpenAIServing
+from modelship.server.openai_translation import OpenAIServing
 
 
 async def create_response(

@@ -7,10 +7,10 @@ body is read first. With fewer commas than `max_model_len` no list in it can be 
 (the common case: one count at memchr speed); any other body is parsed with `json.loads`
 (a fraction of pydantic's cost) and its lists counted: a prompt longer than
 `max_model_len` token ids, more prompts than `max_prompts`, `resume_token_ids` longer
-than `max_model_len`, more `stop_token_ids` than `max_stop`, or more chat `messages` (or
-Responses `input` items) than `max_model_len` (every message renders to one token at least,
-so more cannot fit; a million `{}` kept the loop in pydantic the same way) is a 400 naming
-the field.
+than `max_model_len`, more `stop_token_ids` than `max_stop`, a `logit_bias` of more
+than 300 entries (OpenAI's bound), or more chat `messages` (or Responses `input` items)
+than `max_model_len` (every message renders to one token at least, so more cannot fit; a
+million `{}` kept the loop in pydantic the same way) is a 400 naming the field.
 Everything else goes on unchanged, the body replayed to the app.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from modelship.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from modelship.prompt_bounds import PromptBound, exceeded_bound
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
@@ -105,5 +106,10 @@ class TokenIdLimit:
         if isinstance(stop_ids, list) and len(stop_ids) > self.limits.max_stop:
             return BadRequestError(
                 f"stop_token_ids takes at most {self.limits.max_stop} ids", "stop_token_ids"
+            )
+        bias = request.get("logit_bias")
+        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            return BadRequestError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
             )
         return None

@@ -69,7 +69,7 @@ class ToolCall:
         )
 
 
-def tool_use(request: p.ChatCompletionRequest, template: str) -> ToolUse | None:
+def tool_use(request: p.ChatCompletionRequest, form: str) -> ToolUse | None:
     """None when the request has no tools or `tool_choice: "none"` (the model is then
     neither told of them nor parsed for calls)."""
     if not request.tools or request.tool_choice == "none":
@@ -81,7 +81,7 @@ def tool_use(request: p.ChatCompletionRequest, template: str) -> ToolUse | None:
             f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
         )
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
-    return ToolUse(tools, detect_format(template), request.parallel_tool_calls)
+    return ToolUse(tools, form, request.parallel_tool_calls)
 
 
 # The prompt -------------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelship import golden
 from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.select import quality as q
-from modelship.pipeline.select.provenance import PROVENANCE_FILE, provenance_record
+from modelship.pipeline.select.provenance import provenance_record
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
     Gates,
@@ -39,7 +38,9 @@ from modelship.pipeline.select.scoring import (
     score_variants,
     weights_for,
 )
-from modelship.pipeline.select.serving import Workload, measure_serving
+from modelship.pipeline.select.serving_benchmark import Workload, measure_serving
+from modelship.release import golden
+from modelship.release.provenance import PROVENANCE_FILE
 from modelship.serve_options import ServeOptions
 from modelship.storage import (
     ArtifactNotFoundError,
@@ -151,7 +152,7 @@ def select(
 
 def _measure(storage, slug, config, todo, evaluations, log) -> None:
     """Quality of each variant in turn (deterministic), then serving of all candidates
-    together in interleaved rounds (`serving`); each evaluation written when complete."""
+    together in interleaved rounds (`serving_benchmark`); each evaluation written when complete."""
     s = config.select
     evaluations_dir = storage.evaluations_dir(slug)
     base_scorer = q.Scorer(storage.base_dir(slug))
@@ -312,20 +313,3 @@ def _score_dict(score: VariantScore) -> dict[str, Any]:
         "group_scores": score.group_scores,
         "normalized": score.normalized,
     }
-
-
-def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
-    """Point production at release `to` (default: the newest one before the current)."""
-    current = storage.production_release(slug)
-    releases = storage.releases(slug)
-    if to is None:
-        older = [n for n in releases if current is None or n < current]
-        if not older:
-            raise PipelineError(
-                f"no release before {current} to roll back to (releases: {releases or 'none'})"
-            )
-        to = older[-1]
-    if to not in releases:
-        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
-    storage.set_production(slug, to)
-    return current, to

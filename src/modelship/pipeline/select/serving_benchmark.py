@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from modelship import golden
 from modelship.loadgen import make_prompts, run_level
 from modelship.pipeline.select.stats import Estimate
+from modelship.release import golden
 from modelship.server.process import ReplicaProcess
 
 SERVED_NAME = "candidate"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.errors import PipelineError
-from modelship.pipeline.select.provenance import PROVENANCE_FILE, actor, artifact_identity
+from modelship.errors import PipelineError
+from modelship.release.provenance import PROVENANCE_FILE, actor, artifact_identity
 from modelship.storage import Storage
 from modelship.storage.manifest import now_iso
 from modelship.storage.store import write_json_atomic
@@ -97,6 +97,23 @@ def promote_canary(storage: Storage, slug: str) -> tuple[int | None, int]:
     storage.set_production(slug, plan.canary.release)
     _write(storage, slug, None, {"action": "promote", "release": plan.canary.release})
     return before, plan.canary.release
+
+
+def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
+    """Point production at release `to` (default: the newest one before the current)."""
+    current = storage.production_release(slug)
+    releases = storage.releases(slug)
+    if to is None:
+        older = [n for n in releases if current is None or n < current]
+        if not older:
+            raise PipelineError(
+                f"no release before {current} to roll back to (releases: {releases or 'none'})"
+            )
+        to = older[-1]
+    if to not in releases:
+        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
+    storage.set_production(slug, to)
+    return current, to
 
 
 def record_event(storage: Storage, slug: str, event: dict[str, Any]) -> None:

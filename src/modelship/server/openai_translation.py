@@ -25,6 +25,7 @@ from modelship.engine import (
     SequenceDelta,
 )
 from modelship.engine.outputs import TokenLogprob
+from modelship.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from modelship.server import protocol as p
 from modelship.server import tool_calls
 from modelship.server.errors import (
@@ -35,8 +36,11 @@ from modelship.server.errors import (
     OverloadedError,
     UnavailableError,
 )
+from modelship.server.fim import FimTokens
 from modelship.server.limits import RequestLimitsConfig
 from modelship.server.metrics import ServerMetrics
+from modelship.server.reasoning import ReasoningParser, ReasoningSplitter
+from modelship.server.request_fields import refuse_unsupported
 from modelship.server.tool_calls import ToolUse
 from modelship.server.tracing import EngineSpans
 from modelship.tracing import Tracing
@@ -63,8 +67,11 @@ class OpenAIServing:
         limits: RequestLimitsConfig | None = None,
         tracing: Tracing | None = None,
         adapters: Mapping[str, str] | None = None,
+        tool_call_parser: str = "auto",  # a `tool_calls.FORMATS` name, or read from the template
+        reasoning_parser: ReasoningParser = ReasoningParser.auto,
     ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         # LoRA adapters served over the model: name -> the folder its weights came from
         # (runtime loads change it)
         self.adapters: dict[str, str] = {
@@ -76,6 +83,10 @@ class OpenAIServing:
         self.metrics = metrics
         self.limits = limits or RequestLimitsConfig()
         self.tokenizer = engine.tokenizer
+        self.fim = FimTokens.find(self.tokenizer)  # None: `suffix` is refused
+        self.reasoning_parser = reasoning_parser.resolve(
+            getattr(self.tokenizer, "chat_template", None)
+        )
         # One thread: a second would keep its own malloc arena, and each arena keeps the
         # peak of the largest prompt it tokenized (six threads held 1.2 GB after megabyte
         # prompts, one holds 0.3). A megabyte prompt delays the next one's tokenizing by a
@@ -90,6 +101,7 @@ class OpenAIServing:
                 f"The model `{request.model}` does not exist; this server serves {served}.",
                 param="model",
             )
+        refuse_unsupported(request)
         self.limits.check(request)
 
     async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> bool:
@@ -141,7 +153,9 @@ class OpenAIServing:
         """The request's tools and the form the model calls them in (None without tools)."""
         if not request.tools or not getattr(self.tokenizer, "chat_template", None):
             return None
-        return tool_calls.tool_use(request, self.tokenizer.get_chat_template(None, tools=[]))
+        template = self.tokenizer.get_chat_template(None, tools=[])
+        form = tool_calls.detect_format(template) if self.tool_call_parser == "auto" else None
+        return tool_calls.tool_use(request, form or self.tool_call_parser)
 
     async def chat_prompt(
         self, request: p.ChatCompletionRequest, use: ToolUse | None = None
@@ -169,6 +183,23 @@ class OpenAIServing:
                                   "messages") from exc  # fmt: skip
         return (await self.encode([text], add_special_tokens=False))[0]
 
+    def reasoning_splitter(
+        self, prompt: list[int], resumed: list[int] | None = None
+    ) -> ReasoningSplitter | None:
+        """A splitter for one chat choice's output; None when the model does not reason.
+        `resumed`: the output a failed replica already streamed, split there: fed first,
+        so the splitter goes on in the state it left (a `</think>` already sent makes the
+        rest content, and a tail it held back is sent now)."""
+        if self.reasoning_parser is ReasoningParser.none:
+            return None
+        # the generation prompt's last tokens hold a `<think>` the template opened
+        tail = self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
+        splitter = ReasoningSplitter(self.reasoning_parser, tail)
+        if resumed:
+            # as the engine detokenized it (special tokens skipped); sent already: dropped
+            splitter.feed(self.tokenizer.decode(resumed, skip_special_tokens=True))
+        return splitter
+
     async def completion_prompts(self, request: p.CompletionRequest) -> list[list[int]]:
         prompt = request.prompt
         if isinstance(prompt, str):
@@ -179,6 +210,8 @@ class OpenAIServing:
             prompts = list(prompt)
         if not prompts:
             raise BadRequestError("prompt must not be empty", "prompt")
+        if request.suffix is not None:
+            prompts = self._fim_prompts(prompts, request.suffix)
         encoded = []
         vocab_size = len(self.tokenizer)
         texts = iter(await self.encode([item for item in prompts if isinstance(item, str)]))
@@ -193,6 +226,17 @@ class OpenAIServing:
                 raise BadRequestError("prompt must not be empty", "prompt")
             encoded.append(ids)
         return encoded
+
+    def _fim_prompts(self, prompts: list[Any], suffix: str) -> list[str]:
+        if self.fim is None:
+            raise BadRequestError(
+                "suffix is not supported by this server's model (it has no fill-in-the-middle "
+                "tokens)",
+                "suffix",
+            )
+        if not all(isinstance(item, str) for item in prompts):
+            raise BadRequestError("suffix takes text prompts, not token ids", "suffix")
+        return [self.fim.prompt(item, suffix) for item in prompts]
 
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, tokenized on the tokenizing thread. The batch call releases
@@ -254,9 +298,14 @@ class OpenAIServing:
             if request.echo and logprobs is not None:  # lm-eval's loglikelihood requests
                 prompt_logprobs = logprobs
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        n = request.n
+        if isinstance(request, p.CompletionRequest) and request.best_of is not None:
+            n = self._best_of(request)
+            if n > request.n and logprobs is None:
+                logprobs = 0  # the candidates are ranked by their logprobs
         try:
             params = SamplingParams(
-                n=request.n,
+                n=n,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 temperature=1.0 if request.temperature is None else request.temperature,
@@ -271,6 +320,7 @@ class OpenAIServing:
                 ),
                 stop=stop,
                 stop_token_ids=list(request.stop_token_ids or []),
+                logit_bias=self._logit_bias(request.logit_bias),
                 ignore_eos=request.ignore_eos,
                 speculative=request.speculative,
                 logprobs=logprobs,
@@ -290,6 +340,42 @@ class OpenAIServing:
             if isinstance(request, p.ChatCompletionRequest) and param == "logprobs":
                 param = "top_logprobs"  # the chat API's name for the same number
             raise BadRequestError(str(exc), param) from exc
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's `logit_bias` (token ids as JSON's string keys) with int keys, each in
+        the vocabulary; the engine checks the count and the values."""
+        if not bias:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before any parsing
+            raise BadRequestError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries", "logit_bias"
+            )
+        vocab_size = len(self.tokenizer)
+        result = {}
+        for key, value in bias.items():
+            text = key.strip()
+            # (a key of 5000 digits would overflow int()'s digit limit: no vocabulary is
+            # that large)
+            digits = text.isascii() and text.isdigit() and len(text) <= 18
+            if not (digits and int(text) < vocab_size):
+                raise BadRequestError(
+                    f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias"
+                )
+            result[int(text)] = value
+        return result
+
+    def _best_of(self, request: p.CompletionRequest) -> int:
+        """The candidates to generate per prompt (`best_of`), checked: at least `n`,
+        bounded like `n`, and never streamed (only the best are returned, at the end)."""
+        best_of = request.best_of
+        assert best_of is not None
+        if best_of < request.n:
+            raise BadRequestError("best_of must be at least n", "best_of")
+        if best_of > self.limits.max_n:
+            raise BadRequestError(f"best_of must be at most {self.limits.max_n}", "best_of")
+        if request.stream and best_of > request.n:
+            raise BadRequestError("best_of cannot be used with stream", "best_of")
+        return best_of
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[SequenceDelta]:
         """Admit into the engine (mapping its errors) and record metrics while streaming."""
@@ -415,6 +501,9 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+_PROMPT_TAIL_TOKENS = 16
 
 
 def _folder(path: str) -> str:

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from modelship.golden import Agreement, GoldenAnswer, compare, read_reference, write_reference
+from modelship.release.golden import (
+    Agreement,
+    GoldenAnswer,
+    compare,
+    read_reference,
+    write_reference,
+)
 
 
 def answer(prompt: str, tokens: str, logprobs: list[float] | None = None) -> GoldenAnswer:

@@ -1,6 +1,6 @@
 """The headers the gateway adds to a request for its replicas, beyond the OpenAI API.
 
-One owner for each name: the gateway (`gateway/service.py`) writes them and the replica
+One owner for each name: the gateway (`gateway/forwarding.py`) writes them and the replica
 (`server/gateway_hints.py`) reads them, both importing them from here, so the two sides
 cannot drift apart. A replica trusts them only with its API key (`gateway_hints.py` says
 why). The request id, which a client may send too, is `request_id.REQUEST_ID_HEADER`.

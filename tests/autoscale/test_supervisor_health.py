@@ -22,10 +22,11 @@ from prometheus_client import CollectorRegistry
 
 from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.supervisor import AutoscaleConfig, ReleaseSpec, ReplicaState, Supervisor
-from modelship.gateway.canary import Track
 from modelship.gateway.config import GatewayConfig
+from modelship.gateway.groups import CANARY, STABLE, Group, tier_group
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.service import GatewayService
+from modelship.gateway.tiers import TierConfig
 from modelship.server.process import ReplicaProcess
 
 # /ready answers 200; /health answers the status given (503: "my engine is dead").
@@ -87,13 +88,16 @@ def make_supervisor(tmp_path: Path, launched: list, clock: FakeClock, health: in
 
     settings = {"min_replicas": 1, "max_replicas": 1, "restart_backoff_s": 1.0, **config}
     pool = EndpointPool(GatewayConfig().resilience)
-    return Supervisor(AutoscaleConfig(**settings), pool, None, launch, clock)
+    # A cheaper tier with the stable track's bounds: every group is scaled the same way.
+    economy = TierConfig(name="economy", variant="int4", min_replicas=settings["min_replicas"],
+                         max_replicas=settings["max_replicas"])  # fmt: skip
+    return Supervisor(AutoscaleConfig(**settings), pool, None, launch, clock, tiers=[economy])
 
 
 async def wait_ready(supervisor: Supervisor, clock: FakeClock) -> None:
     for _ in range(100):
         await supervisor.tick()
-        if supervisor.count(Track.STABLE, ReplicaState.READY):
+        if supervisor.count(STABLE, ReplicaState.READY):
             return
         await asyncio.sleep(0.1)
     raise AssertionError("the fake replica never became ready")
@@ -104,7 +108,7 @@ def test_a_ready_replica_whose_health_says_503_is_replaced(
 ) -> None:
     clock = FakeClock(1000.0)
     supervisor = make_supervisor(tmp_path, launched, clock, health=503)
-    supervisor.set_target(Track.STABLE, ReleaseSpec(1, tmp_path, "fp16"))
+    supervisor.set_target(STABLE, ReleaseSpec(1, tmp_path, "fp16"))
 
     async def ticks() -> None:
         async with httpx.AsyncClient(timeout=1.0) as client:
@@ -118,7 +122,7 @@ def test_a_ready_replica_whose_health_says_503_is_replaced(
     assert launched[0].process.poll() == -signal.SIGKILL
     assert supervisor.replicas == [] and supervisor.pool.get("replica-1") is None
     assert "replica-1 is ready but /health answered 503: replacing it" in caplog.text
-    assert supervisor.tracks[Track.STABLE].next_start_at == 1001.0  # a restart, as a crash
+    assert supervisor.groups[STABLE].next_start_at == 1001.0  # a restart, as a crash
 
 
 def test_a_silent_replica_is_replaced_only_after_max_unresponsive_s(
@@ -126,7 +130,7 @@ def test_a_silent_replica_is_replaced_only_after_max_unresponsive_s(
 ) -> None:
     clock = FakeClock(1000.0)
     supervisor = make_supervisor(tmp_path, launched, clock, health=200, max_unresponsive_s=30)
-    supervisor.set_target(Track.STABLE, ReleaseSpec(1, tmp_path, "fp16"))
+    supervisor.set_target(STABLE, ReleaseSpec(1, tmp_path, "fp16"))
     service = GatewayService(GatewayConfig(), supervisor.pool)
 
     async def ticks() -> None:
@@ -160,10 +164,10 @@ def test_a_canary_whose_replicas_keep_failing_is_given_up_once(
 
     def give_up(reason: str) -> None:  # what the fleet does: end the canary
         reasons.append(reason)
-        supervisor.set_target(Track.CANARY, None)
+        supervisor.set_target(CANARY, None)
 
     supervisor.on_canary_failed = give_up
-    supervisor.set_target(Track.CANARY, ReleaseSpec(2, tmp_path, "nan"))
+    supervisor.set_target(CANARY, ReleaseSpec(2, tmp_path, "nan"))
 
     async def ticks() -> None:
         async with httpx.AsyncClient(timeout=1.0) as client:
@@ -178,11 +182,14 @@ def test_a_canary_whose_replicas_keep_failing_is_given_up_once(
     assert len(launched) == 3 and len(reasons) == 1
     assert reasons[0].startswith("the canary's replicas failed 3 times (last: exited with 3")
     assert "NonFiniteLogitsError" in reasons[0]
-    assert supervisor.tracks[Track.CANARY].target is None and supervisor.replicas == []
+    assert supervisor.groups[CANARY].target is None and supervisor.replicas == []
 
 
+# A cheaper tier's group has the stable track's warm pool and scale-out metric (before the
+# groups were one, a tier was scaled by code of its own, with neither).
+@pytest.mark.parametrize("group", [STABLE, tier_group("economy")], ids=str)
 def test_a_scale_out_routes_a_warm_replica_at_once_and_refills_the_pool(
-    tmp_path: Path, launched: list
+    tmp_path: Path, launched: list, group: Group
 ) -> None:
     clock = FakeClock(1000.0)
     supervisor = make_supervisor(
@@ -191,11 +198,11 @@ def test_a_scale_out_routes_a_warm_replica_at_once_and_refills_the_pool(
     )  # fmt: skip
     registry = CollectorRegistry()
     supervisor.metrics = FleetMetrics(registry)
-    supervisor.set_target(Track.STABLE, ReleaseSpec(1, tmp_path, "fp16"))
+    supervisor.set_target(group, ReleaseSpec(1, tmp_path, "fp16"))
     service = GatewayService(GatewayConfig(), supervisor.pool)
 
     def states() -> dict[str, int]:
-        return {s: supervisor.count(Track.STABLE, s) for s in ReplicaState if s != "draining"}
+        return {s: supervisor.count(group, s) for s in ReplicaState if s != "draining"}
 
     async def ticks() -> None:
         async with httpx.AsyncClient(timeout=1.0) as client:
@@ -207,7 +214,7 @@ def test_a_scale_out_routes_a_warm_replica_at_once_and_refills_the_pool(
                 await asyncio.sleep(0.1)
             assert states() == {"starting": 0, "ready": 1, "standby": 1}
             assert len(list(supervisor.pool)) == 1  # the warm one takes no traffic
-            assert ("stable", "1", "fp16", "standby") in supervisor.snapshot(service).replicas
+            assert (group.label, "1", "fp16", "standby") in supervisor.snapshot(service).replicas
 
             routed = next(iter(supervisor.pool)).endpoint
             routed.add_request(1)
@@ -233,4 +240,6 @@ def test_a_scale_out_routes_a_warm_replica_at_once_and_refills_the_pool(
 
     # the warm replica took traffic in the very tick that wanted it (the clock stood still)
     assert (scale_out("count", "warm"), scale_out("sum", "warm")) == (1.0, 0.0)
+    scaled_up = {"track": group.label, "direction": "up"}
+    assert registry.get_sample_value("modelship_gateway_scale_events_total", scaled_up) == 1.0
     assert len(launched) == 3

@@ -14,6 +14,7 @@ from modelship.gateway.canary import (
     judged_ttft,
 )
 from modelship.gateway.config import CanaryJudgeConfig, GatewayConfig, RequestLimitsConfig
+from modelship.gateway.groups import CANARY, STABLE
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.request import parse_request
 from modelship.gateway.service import GatewayService
@@ -193,8 +194,8 @@ def test_promote_without_canary_is_an_error(storage: Storage):
 def test_a_client_cannot_choose_its_track_by_session_id():
     config = GatewayConfig()
     pool = EndpointPool(config.resilience)
-    pool.add("stable-0", "http://127.0.0.1:1", Track.STABLE, "1")
-    pool.add("canary-0", "http://127.0.0.1:2", Track.CANARY, "2")
+    pool.add("stable-0", "http://127.0.0.1:1", STABLE, "1")
+    pool.add("canary-0", "http://127.0.0.1:2", CANARY, "2")
     service = GatewayService(config, pool, canary_weight=30)
     tenant = Tenant("acme", TenantConfig(name="acme", api_key_sha256=hash_api_key("sk-acme")))
     body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'

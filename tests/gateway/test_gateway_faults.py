@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from gateway_process import GatewayProcess
-from modelship.gateway.canary import Track
 from modelship.gateway.config import GatewayConfig
+from modelship.gateway.groups import STABLE
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
 from modelship.server.process import free_port
@@ -173,7 +173,7 @@ def test_a_started_gateway_already_knows_which_replicas_answer(
     config = GatewayConfig()
     pool = EndpointPool(config.resilience)
     silent = f"http://127.0.0.1:{free_port()}"  # nothing listens
-    static_upstreams(pool, [answering.url, silent], Track.STABLE, "stable")
+    static_upstreams(pool, [answering.url, silent], STABLE, "stable")
     service = GatewayService(config, pool)
 
     async def start() -> tuple[bool, list[bool]]:

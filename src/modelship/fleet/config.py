@@ -21,9 +21,10 @@ class AutoscaleConfig(AutoscalerConfig):
     # at once; one that answers nothing at all (a hung process) after this long.
     max_unresponsive_s: float = Field(default=30.0, gt=0)
     canary_replicas: int = Field(default=1, ge=1)
-    # Stable replicas kept started and ready but out of routing: a scale-out takes one of
-    # them into routing at once (no model load on the request path) and starts a new one
-    # to refill the pool. They cost memory, not compute: an idle engine does no work.
+    # Replicas kept started and ready but out of routing, per autoscaled group (the stable
+    # track and each cheaper tier): a scale-out takes one of them into routing at once (no
+    # model load on the request path) and starts a new one to refill the pool. They cost
+    # memory, not compute: an idle engine does no work.
     warm_pool: int = Field(default=0, ge=0)
     # The canary is rolled back once its replicas have failed this many times (exited,
     # or replaced as dead or hung), whether or not one ever became ready.

@@ -25,9 +25,10 @@ from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.adapters import Action, FanOut, fan_out, is_under
 from modelship.gateway.app import create_gateway_app
-from modelship.gateway.canary import Track, Verdict
+from modelship.gateway.canary import Verdict
 from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
 from modelship.gateway.drift import DriftProbe, ProbeResult
+from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
@@ -80,6 +81,7 @@ class LocalFleet:
             self.pool,
             FleetMetrics(self.service.metrics.fleet_registry),
             self._launch,
+            tiers=config.gateway.tiers,
         )
         self.supervisor.on_canary_failed = self._canary_failed
         for tier in config.gateway.tiers:  # before serving: a missing variant is a setup error
@@ -216,16 +218,17 @@ class LocalFleet:
         """Point the tracks and the canary weight at what storage says now."""
         production = self.storage.production_release(self.slug)
         if production is not None:
-            self.supervisor.set_target(Track.STABLE, self.release_spec(production))
+            self.supervisor.set_target(STABLE, self.release_spec(production))
             for tier in self.config.gateway.tiers:  # the release's cheaper variants
                 folder = self.storage.variant_dir(self.slug, tier.variant)
-                self.supervisor.set_tier(tier, ReleaseSpec(production, folder, tier.variant))
+                spec = ReleaseSpec(production, folder, tier.variant)
+                self.supervisor.set_target(tier_group(tier.name), spec)
         canary = read_traffic(self.storage, self.slug).canary
         if canary is None or canary.release == production:
-            self.supervisor.set_target(Track.CANARY, None)
+            self.supervisor.set_target(CANARY, None)
             self.service.canary.set_weight(0)
         else:
-            self.supervisor.set_target(Track.CANARY, self.release_spec(canary.release))
+            self.supervisor.set_target(CANARY, self.release_spec(canary.release))
             self.service.canary.set_weight(canary.weight)
 
     def _auto_rollback(self, verdict: Verdict) -> None:
@@ -234,18 +237,18 @@ class LocalFleet:
             verdict.reason, verdict.stable.describe(), verdict.canary.describe(),
         )  # fmt: skip
         end_canary(self.storage, self.slug, verdict.reason, automatic=True)
-        self.supervisor.set_target(Track.CANARY, None)
+        self.supervisor.set_target(CANARY, None)
 
     def _canary_failed(self, reason: str) -> None:
         """The canary's replicas keep dying (or never start): no traffic reaches it, so the
         judge could never roll it back; the supervisor's count does."""
         logger.warning("canary auto rollback: %s", reason)
-        target = self.supervisor.tracks[Track.CANARY].target
+        target = self.supervisor.groups[CANARY].target
         if target is not None:
             self.service.metrics.canary_rollbacks.labels(str(target.release)).inc()
         end_canary(self.storage, self.slug, reason, automatic=True)
         self.service.canary.set_weight(0)
-        self.supervisor.set_target(Track.CANARY, None)
+        self.supervisor.set_target(CANARY, None)
 
     def _golden_reference(self, release: str, variant: str) -> list[golden.GoldenAnswer] | None:
         """The golden answers select recorded for `variant` in `release` (None: none): the
@@ -268,7 +271,7 @@ class LocalFleet:
 
     def _drifted(self, upstream: Upstream, result: ProbeResult) -> None:
         probe = self.config.gateway.drift_probe
-        if upstream.track is not Track.CANARY or not probe.rollback_canary:
+        if upstream.group != CANARY or not probe.rollback_canary:
             return  # stable has nothing to fall back to: the alert metric is the signal
         self._canary_failed(
             f"quality drift: {upstream.endpoint_id} reproduced {result.agreement.tokens:.0%} "

@@ -11,8 +11,8 @@ from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
 from modelship.gateway.app import create_gateway_app
-from modelship.gateway.canary import Track
 from modelship.gateway.engines import EngineKind
+from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
 from modelship.tracing import Tracing
@@ -60,8 +60,8 @@ class StandaloneGateway:
                 f"--engine must be ours or vllm, got {replicas.engine!r}"
             ) from None
         self.pool = EndpointPool(config.gateway.resilience)
-        static_upstreams(self.pool, replicas.stable, Track.STABLE, "stable", engine=kind)
-        static_upstreams(self.pool, replicas.canary, Track.CANARY, "canary", engine=kind)
+        static_upstreams(self.pool, replicas.stable, STABLE, "stable", engine=kind)
+        static_upstreams(self.pool, replicas.canary, CANARY, "canary", engine=kind)
         tiers = {tier.name: tier for tier in config.gateway.tiers}
         tier_urls: dict[str, list[str]] = {}
         for item in replicas.tier_endpoints:
@@ -74,9 +74,8 @@ class StandaloneGateway:
                 )
             tier_urls.setdefault(name, []).append(url)
         for name, urls in tier_urls.items():
-            static_upstreams(
-                self.pool, urls, Track.STABLE, "stable", name, tiers[name].variant, kind
-            )
+            variant = tiers[name].variant
+            static_upstreams(self.pool, urls, tier_group(name), "stable", variant, kind)
         # Clients authenticate as tenants (or with serve.api_key); the replicas may want the
         # service key.
         upstream_key = environment_api_key or config.serve.api_key

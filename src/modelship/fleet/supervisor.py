@@ -1,20 +1,27 @@
 """The local supervisor: replica processes started, made routable, drained, restarted.
 
+Replicas come in groups (`gateway/groups.py`): the stable and canary tracks of the
+primary tier, and one group per cheaper tier (`gateway.tiers`). Each group has a
+`GroupState`: the release it serves, its autoscaler policy (the canary: a fixed
+`canary_replicas`), its warm pool, its crash backoff and its times to ready. Every group
+goes through the same steps.
+
 A control loop on the gateway's event loop. Each tick it (1) looks at every replica
 process: a starting one joins routing when its /ready answers 200 (time-to-capacity is
 recorded), a dead one leaves routing and is replaced after a backoff, and so is a ready one
 whose /health answers 503 (its engine died or stalled: the process lives on, useless) or
 nothing for `max_unresponsive_s` (hung); a canary whose replicas keep failing is given up
-(`on_canary_failed`: the fleet rolls it back); (2) drains replicas
-of a release no longer wanted, once the wanted release has a ready replica; (3) asks the
-autoscaler policy how many stable replicas the load needs and starts or drains the
-difference, for the load expected once a replica started now would be ready (the policy
-extrapolates the in-flight trend over the median of the recorded times to ready). With
-`warm_pool`, that many more stable replicas are kept ready but out of
-routing (STANDBY): a scale-out routes one of them at once and starts a replacement, and a
-scale-in parks an idle routed replica there rather than stopping it. Draining means: out
-of routing at once, SIGTERM once the gateway has no request in flight there (the replica
-then drains itself), SIGKILL after `drain_timeout_s`.
+(`on_canary_failed`: the fleet rolls it back); (2) per group, drains replicas of a release
+no longer wanted (`_retire_stale`) once the wanted release has a ready replica (a stale one
+still starting at once); (3) per group, asks the group's policy how many replicas its load
+needs and starts or drains the difference (`_scale`), for the load expected once a
+replica started now would be ready (the policy extrapolates the in-flight trend over the
+median of the group's recorded times to ready). With `warm_pool`, that many more replicas
+of each autoscaled group are kept ready but out of routing (STANDBY): a scale-out routes
+one of them at once and starts a replacement, and a scale-in parks an idle routed replica
+there rather than stopping it. Draining means: out of routing at once, SIGTERM once the
+gateway has no request in flight there (the replica then drains itself), SIGKILL after
+`drain_timeout_s`.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import statistics
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -38,10 +45,10 @@ import httpx
 from modelship.autoscale.policy import AutoscalerPolicy
 from modelship.fleet.config import AutoscaleConfig
 from modelship.fleet.metrics import FleetMetrics
-from modelship.gateway.canary import Track
+from modelship.gateway.groups import CANARY, STABLE, Group, tier_group
 from modelship.gateway.metrics import FleetSnapshot
 from modelship.gateway.pool import EndpointPool
-from modelship.gateway.tiers import PRIMARY, TierConfig
+from modelship.gateway.tiers import TierConfig
 from modelship.server.process import ReplicaProcess
 
 logger = logging.getLogger(__name__)
@@ -49,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReleaseSpec:
-    """What a track serves: a release folder and the variant it holds."""
+    """What a group serves: a release folder and the variant it holds."""
 
     release: int
     model_dir: Path
@@ -66,7 +73,7 @@ class ReplicaState(StrEnum):
 @dataclass(eq=False)
 class ManagedReplica:
     replica_id: str
-    track: Track
+    group: Group
     spec: ReleaseSpec
     process: ReplicaProcess
     started_at: float  # on the supervisor's clock, like every `now` it compares with
@@ -74,14 +81,19 @@ class ManagedReplica:
     drain_started_at: float | None = None
     terminate_sent: bool = False
     unanswered_since: float | None = None  # ready, but /health has not answered since
-    tier: str = PRIMARY  # a cheaper tier's replicas are stable-track, tier named
 
 
 Launcher = Callable[[ReleaseSpec, str], ReplicaProcess]
 
 
 @dataclass
-class _TrackState:
+class GroupState:
+    """One group's wanted release and how it is scaled. `policy` None: the group runs a
+    fixed `fixed_replicas` while it has a target (the canary)."""
+
+    policy: AutoscalerPolicy | None
+    fixed_replicas: int = 0
+    warm_pool: int = 0  # replicas kept ready beyond what routing wants
     target: ReleaseSpec | None = None
     desired: int = 0
     num_crashes: int = 0  # consecutive, reset when a replica becomes ready
@@ -101,19 +113,23 @@ class Supervisor:
         metrics: FleetMetrics | None,
         launch: Launcher,
         clock: Callable[[], float] = time.monotonic,
+        tiers: Sequence[TierConfig] = (),
     ) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
         self.launch = launch
         self.clock = clock
-        self.policy = AutoscalerPolicy(config)
         self.replicas: list[ManagedReplica] = []
-        self.tracks = {track: _TrackState() for track in Track}
-        # Cheaper tiers (`gateway.tiers`): each scaled on its own load between its
-        # min_replicas and max_replicas, serving its variant of the production release.
-        self.tiers: dict[str, _TrackState] = {}
-        self.tier_policies: dict[str, AutoscalerPolicy] = {}
+        self.groups: dict[Group, GroupState] = {
+            STABLE: GroupState(AutoscalerPolicy(config), warm_pool=config.warm_pool),
+            CANARY: GroupState(None, fixed_replicas=config.canary_replicas),
+        }
+        # Each cheaper tier is scaled on its own load between its own bounds.
+        for tier in tiers:
+            bounds = {"min_replicas": tier.min_replicas, "max_replicas": tier.max_replicas}
+            policy = AutoscalerPolicy(config.model_copy(update=bounds))
+            self.groups[tier_group(tier.name)] = GroupState(policy, warm_pool=config.warm_pool)
         self._num_started = 0
         self._client: httpx.AsyncClient | None = None
         # Called with the reason once the canary's replicas have failed
@@ -121,59 +137,41 @@ class Supervisor:
         self.on_canary_failed: Callable[[str], None] | None = None
 
     # Targets -----------------------------------------------------------------------------
-    def set_target(self, track: Track, spec: ReleaseSpec | None) -> None:
-        """Serve `spec` on `track` (None: nothing). Replicas of the old release are drained
+    def set_target(self, group: Group, spec: ReleaseSpec | None) -> None:
+        """Serve `spec` on `group` (None: nothing). Replicas of the old release are drained
         once the new one has a ready replica. When stable moves to the canary's release
         (a promotion), the canary's replicas become stable ones: nothing restarts."""
-        state = self.tracks[track]
+        if group not in self.groups:
+            known = ", ".join(str(g) for g in self.groups)
+            raise ValueError(f"no replica group {group}; the supervisor runs: {known}")
+        state = self.groups[group]
         if state.target == spec:
             return
-        logger.info("%s track: release %s -> %s", track, _release(state.target), _release(spec))
+        logger.info("%s: release %s -> %s", group, _release(state.target), _release(spec))
         state.target = spec
         state.num_crashes = state.num_failures = 0
-        if track is Track.STABLE and spec is not None:
+        if group == STABLE and spec is not None:
             for replica in self.replicas:
-                if replica.track is Track.CANARY and replica.spec == spec:
-                    replica.track = Track.STABLE
-                    self.pool.retag(replica.replica_id, Track.STABLE)
+                if replica.group == CANARY and replica.spec == spec:
+                    replica.group = STABLE
+                    self.pool.retag(replica.replica_id, STABLE)
 
-    def set_tier(self, tier: TierConfig, spec: ReleaseSpec) -> None:
-        """Serve `spec` (the tier's variant) on `tier`; replicas of an older spec are
-        drained once one of the new is ready."""
-        if tier.name not in self.tiers:
-            self.tiers[tier.name] = _TrackState()
-            bounds = {"min_replicas": tier.min_replicas, "max_replicas": tier.max_replicas}
-            self.tier_policies[tier.name] = AutoscalerPolicy(self.config.model_copy(update=bounds))
-        state = self.tiers[tier.name]
-        if state.target != spec:
-            logger.info("tier %s: %s (release %d)", tier.name, spec.variant, spec.release)
-            state.target = spec
-            state.num_crashes = state.num_failures = 0
+    def time_to_ready_s(self, group: Group = STABLE) -> list[float]:
+        return list(self.groups[group].time_to_ready_s)
 
-    def _state(self, replica: ManagedReplica) -> _TrackState:
-        if replica.tier == PRIMARY:
-            return self.tracks[replica.track]
-        return self.tiers[replica.tier]
-
-    def time_to_ready_s(self, track: Track = Track.STABLE) -> list[float]:
-        return list(self.tracks[track].time_to_ready_s)
-
-    def expected_time_to_ready_s(self) -> float:
-        """How long a stable replica started now will take to become ready: the median of
-        the latest recorded starts (one slow first start, e.g. a kernel build, does not
-        set it), `initial_time_to_ready_s` before any."""
-        times = self.tracks[Track.STABLE].time_to_ready_s
+    def expected_time_to_ready_s(self, group: Group = STABLE) -> float:
+        """How long a replica of `group` started now will take to become ready: the median
+        of the group's latest recorded starts (one slow first start, e.g. a kernel build,
+        does not set it), `initial_time_to_ready_s` before any."""
+        times = self.groups[group].time_to_ready_s
         return statistics.median(times) if times else self.config.initial_time_to_ready_s
 
-    def count(self, track: Track, *states: ReplicaState, current: bool = True) -> int:
-        target = self.tracks[track].target
+    def count(self, group: Group, *states: ReplicaState, current: bool = True) -> int:
+        target = self.groups[group].target
         return sum(
             1
             for r in self.replicas
-            if r.track is track
-            and r.tier == PRIMARY
-            and r.state in states
-            and (not current or r.spec == target)
+            if r.group == group and r.state in states and (not current or r.spec == target)
         )
 
     # Control loop ------------------------------------------------------------------------
@@ -192,13 +190,9 @@ class Supervisor:
     async def tick(self) -> None:
         now = self.clock()
         await self._observe(now)
-        for track in Track:
-            self._retire_stale(track, now)
-        self._scale(Track.STABLE, self._stable_desired(now), now)
-        canary = self.tracks[Track.CANARY]
-        self._scale(Track.CANARY, self.config.canary_replicas if canary.target else 0, now)
-        for name in self.tiers:
-            self._scale_tier(name, now)
+        for group in self.groups:
+            self._retire_stale(group, now)
+            self._scale(group, self._desired(group, now), now)
 
     async def _observe(self, now: float) -> None:
         starting = [r for r in self.replicas if r.state is ReplicaState.STARTING]
@@ -254,16 +248,17 @@ class Supervisor:
 
     def _became_ready(self, replica: ManagedReplica, now: float) -> None:
         seconds = now - replica.started_at
-        state = self._state(replica)
+        state = self.groups[replica.group]
         state.num_crashes = 0
         state.time_to_ready_s.append(seconds)
         spec = replica.spec
         logger.info("%s ready in %.1fs (release %d)", replica.replica_id, seconds, spec.release)
         if self.metrics is not None:
             self.metrics.time_to_capacity.labels(str(spec.release), spec.variant).observe(seconds)
-        routed = self.count(replica.track, ReplicaState.READY)
-        wanted = routed < state.routable_wanted or replica.track is not Track.STABLE
-        if not wanted and spec == state.target and replica.tier == PRIMARY:
+        routed = self.count(replica.group, ReplicaState.READY)
+        # A fixed-size group (the canary) routes every replica it has.
+        wanted = routed < state.routable_wanted or state.policy is None
+        if not wanted and spec == state.target:
             replica.state = ReplicaState.STANDBY  # nobody waits for it: into the warm pool
             logger.info("%s joins the warm pool", replica.replica_id)
             return
@@ -275,13 +270,13 @@ class Supervisor:
         time to capacity."""
         replica.state = ReplicaState.READY
         spec = replica.spec
-        self.pool.add(replica.replica_id, replica.process.url, replica.track, str(spec.release),
-                      spec.variant, tier=replica.tier)  # fmt: skip
-        state = self._state(replica)
-        if replica.tier == PRIMARY and state.short_since is not None:
+        self.pool.add(replica.replica_id, replica.process.url, replica.group, str(spec.release),
+                      spec.variant)  # fmt: skip
+        state = self.groups[replica.group]
+        if state.short_since is not None:
             if self.metrics is not None:
                 self.metrics.scale_out.labels(source).observe(now - state.short_since)
-            if self.count(replica.track, ReplicaState.READY) >= state.routable_wanted:
+            if self.count(replica.group, ReplicaState.READY) >= state.routable_wanted:
                 state.short_since = None
 
     def _replace(self, replica: ManagedReplica, now: float, why: str) -> None:
@@ -302,7 +297,7 @@ class Supervisor:
         self.pool.remove(replica.replica_id)
         replica.process.close_log()
         self.replicas.remove(replica)
-        state = self._state(replica)
+        state = self.groups[replica.group]
         state.num_crashes += 1
         state.num_failures += 1
         backoff = self.config.restart_backoff_s * 2 ** (state.num_crashes - 1)
@@ -310,8 +305,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.replica_restarts.labels(str(replica.spec.release)).inc()
         if (
-            replica.track is Track.CANARY
-            and replica.tier == PRIMARY
+            replica.group == CANARY
             and replica.spec == state.target
             and state.num_failures >= self.config.max_canary_failures
             and self.on_canary_failed is not None
@@ -323,64 +317,66 @@ class Supervisor:
                 f"the canary's replicas failed {state.num_failures} times (last: {last}){said}"
             )
 
-    def _retire_stale(self, track: Track, now: float) -> None:
-        target = self.tracks[track].target
+    def _retire_stale(self, group: Group, now: float) -> None:
+        """Drain the group's replicas of a release it no longer serves: a starting one at
+        once, the others once the target has a ready replica (they serve until then)."""
+        target = self.groups[group].target
         stale = [
             r for r in self.replicas
-            if r.track is track and r.tier == PRIMARY and r.spec != target
-            and r.state is not ReplicaState.DRAINING
+            if r.group == group and r.spec != target and r.state is not ReplicaState.DRAINING
         ]  # fmt: skip
         if not stale:
             return
-        target_ready = self.count(track, ReplicaState.READY) > 0
+        target_ready = self.count(group, ReplicaState.READY) > 0
         for replica in stale:
-            # Keep serving the old release until the new one can take the traffic.
             if target is None or target_ready or replica.state is ReplicaState.STARTING:
                 self.drain(replica, now)
 
-    def _stable_desired(self, now: float) -> int:
-        state = self.tracks[Track.STABLE]
+    def _desired(self, group: Group, now: float) -> int:
+        """The replicas the group's routing wants: its policy's decision on its load."""
+        state = self.groups[group]
         if state.target is None:
-            state.desired = 0
             return 0
-        ready = self.count(Track.STABLE, ReplicaState.READY)
+        if state.policy is None:
+            return state.fixed_replicas
+        ready = self.count(group, ReplicaState.READY)
         # Starting replicas are capacity on its way only as far as they will be routed when
         # ready; those refilling the warm pool are not.
         starting = min(
-            self.count(Track.STABLE, ReplicaState.STARTING),
-            max(0, state.routable_wanted - ready),
+            self.count(group, ReplicaState.STARTING), max(0, state.routable_wanted - ready)
         )
-        decision = self.policy.decide(
+        decision = state.policy.decide(
             now,
-            in_flight=self.pool.in_flight(Track.STABLE),
+            in_flight=self.pool.in_flight(group),
             ready_replicas=ready,
             starting_replicas=starting,
-            time_to_ready_s=self.expected_time_to_ready_s(),
+            time_to_ready_s=self.expected_time_to_ready_s(group),
         )
-        if self.metrics is not None:
+        if self.metrics is not None and group == STABLE:  # the gauges are the stable track's
             self.metrics.projected_in_flight.set(decision.projected_in_flight)
             self.metrics.expected_time_to_ready.set(decision.time_to_ready_s)
-        state.desired = decision.desired_replicas
         return decision.desired_replicas
 
-    def _scale(self, track: Track, desired: int, now: float) -> None:
-        state = self.tracks[track]
+    def _scale(self, group: Group, desired: int, now: float) -> None:
+        """Start or drain the group's replicas of its target toward `desired` in routing
+        plus its warm pool."""
+        state = self.groups[group]
         state.desired = state.routable_wanted = desired
-        if state.short_since is None and self.count(track, ReplicaState.READY) < desired:
+        if state.short_since is None and self.count(group, ReplicaState.READY) < desired:
             state.short_since = now
-        if track is Track.STABLE and state.target is not None:
-            self._use_warm_pool(desired, now)
-            desired += self.config.warm_pool  # kept started beyond what routing needs
-        current = self.count(track, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STANDBY)
+        if state.target is not None:
+            self._use_warm_pool(group, desired, now)
+            desired += state.warm_pool  # kept started beyond what routing needs
+        current = self.count(group, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.STANDBY)
         if desired > current and state.target is not None and now >= state.next_start_at:
             for _ in range(desired - current):
-                self.start(track, state.target)
+                self.start(group, state.target)
             if self.metrics is not None and current > 0:
-                self.metrics.scale_events.labels(str(track), "up").inc(desired - current)
+                self.metrics.scale_events.labels(group.label, "up").inc(desired - current)
         elif desired < current:
             candidates = sorted(
                 (r for r in self.replicas
-                 if r.track is track and r.tier == PRIMARY and r.spec == state.target
+                 if r.group == group and r.spec == state.target
                  and r.state is not ReplicaState.DRAINING),
                 key=lambda r: (r.state is ReplicaState.READY, r.state is ReplicaState.STANDBY,
                                self._in_flight(r)),
@@ -388,74 +384,42 @@ class Supervisor:
             for replica in candidates[: current - desired]:
                 self.drain(replica, now)
             if self.metrics is not None:
-                self.metrics.scale_events.labels(str(track), "down").inc(current - desired)
+                self.metrics.scale_events.labels(group.label, "down").inc(current - desired)
 
-    def _use_warm_pool(self, routable_wanted: int, now: float) -> None:
+    def _use_warm_pool(self, group: Group, routable_wanted: int, now: float) -> None:
         """Route warm replicas while routing has fewer than wanted; park idle routed ones
         while it has more and the warm pool is short (their requests all ended: no await
         between the check and leaving routing, so none can arrive in between)."""
-        target = self.tracks[Track.STABLE].target
-        mine = [
-            r for r in self.replicas
-            if r.track is Track.STABLE and r.tier == PRIMARY and r.spec == target
-        ]  # fmt: skip
+        state = self.groups[group]
+        mine = [r for r in self.replicas if r.group == group and r.spec == state.target]
         routed = [r for r in mine if r.state is ReplicaState.READY]
         warm = [r for r in mine if r.state is ReplicaState.STANDBY]
         for replica in warm[: max(0, routable_wanted - len(routed))]:
             logger.info("%s taken from the warm pool into routing", replica.replica_id)
             self._route(replica, now, "warm")
         excess = len(routed) - routable_wanted
-        room = self.config.warm_pool - len(warm)
+        room = state.warm_pool - len(warm)
         idle = [r for r in routed if self._in_flight(r) == 0]
         for replica in idle[: max(0, min(excess, room))]:
             logger.info("%s leaves routing for the warm pool", replica.replica_id)
             self.pool.remove(replica.replica_id)
             replica.state = ReplicaState.STANDBY
 
-    def _scale_tier(self, name: str, now: float) -> None:
-        """A cheaper tier: as many replicas as its own load asks for, within its bounds;
-        replicas of an older spec drained once the current one has a ready replica."""
-        state = self.tiers[name]
-        mine = [r for r in self.replicas if r.tier == name and r.state is not ReplicaState.DRAINING]
-        current = [r for r in mine if r.spec == state.target]
-        if any(r.state is ReplicaState.READY for r in current):
-            for replica in (r for r in mine if r.spec != state.target):
-                self.drain(replica, now)
-        ready = sum(1 for r in current if r.state is ReplicaState.READY)
-        decision = self.tier_policies[name].decide(
-            now,
-            in_flight=self.pool.in_flight(Track.STABLE, name),
-            ready_replicas=ready,
-            starting_replicas=len(current) - ready,
-            time_to_ready_s=self.expected_time_to_ready_s(),
-        )
-        state.desired = desired = decision.desired_replicas
-        if desired > len(current) and state.target is not None and now >= state.next_start_at:
-            for _ in range(desired - len(current)):
-                self.start(Track.STABLE, state.target, tier=name)
-        elif desired < len(current):
-            idle_first = sorted(
-                current, key=lambda r: (r.state is ReplicaState.READY, self._in_flight(r))
-            )
-            for replica in idle_first[: len(current) - desired]:
-                self.drain(replica, now)
-
     # Actions -----------------------------------------------------------------------------
-    def start(self, track: Track, spec: ReleaseSpec, tier: str = PRIMARY) -> ManagedReplica:
+    def start(self, group: Group, spec: ReleaseSpec) -> ManagedReplica:
         self._num_started += 1
         replica_id = f"replica-{self._num_started}"
         started_at = self.clock()
         process = self.launch(spec, replica_id)
-        replica = ManagedReplica(replica_id, track, spec, process, started_at, tier=tier)
+        replica = ManagedReplica(replica_id, group, spec, process, started_at)
         self.replicas.append(replica)
-        where = track if tier == PRIMARY else f"tier {tier}"
-        logger.info("starting %s (%s, release %d, %s) on %s", replica_id, where, spec.release,
+        logger.info("starting %s (%s, release %d, %s) on %s", replica_id, group, spec.release,
                     spec.variant, process.url)  # fmt: skip
         return replica
 
     def drain(self, replica: ManagedReplica, now: float) -> None:
         """Out of routing now; SIGTERM when the gateway's requests there have ended."""
-        logger.info("draining %s (%s, release %d)", replica.replica_id, replica.track,
+        logger.info("draining %s (%s, release %d)", replica.replica_id, replica.group,
                     replica.spec.release)  # fmt: skip
         replica.state = ReplicaState.DRAINING
         replica.drain_started_at = now
@@ -493,18 +457,16 @@ class Supervisor:
 
     def snapshot(self, service) -> FleetSnapshot:
         """The gateway's snapshot with the supervisor's view of replicas (starting ones
-        included, by state) and the desired replicas per track."""
+        included, by state) and the desired replicas per group."""
         replicas: dict[tuple[str, str, str, str], int] = {}
         for r in self.replicas:
             state = str(r.state)
             upstream = self.pool.get(r.replica_id)
             if r.state is ReplicaState.READY and upstream is not None and not upstream.is_healthy:
                 state = "unhealthy"  # ready once, failing its health checks now
-            track = str(r.track) if r.tier == PRIMARY else r.tier
-            key = (track, str(r.spec.release), r.spec.variant, state)
+            key = (r.group.label, str(r.spec.release), r.spec.variant, state)
             replicas[key] = replicas.get(key, 0) + 1
-        desired = {str(t): s.desired for t, s in self.tracks.items()}
-        desired |= {name: s.desired for name, s in self.tiers.items()}
+        desired = {group.label: s.desired for group, s in self.groups.items()}
         return dataclasses.replace(service.snapshot(), replicas=replicas, desired_replicas=desired)
 
 

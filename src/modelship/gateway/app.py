@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from modelship.body_limit import BodySizeLimit
 from modelship.gateway.adapters import parse_body
-from modelship.gateway.canary import Track
+from modelship.gateway.groups import STABLE
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
 from modelship.gateway.responses import respond
@@ -118,7 +118,7 @@ def create_gateway_app(
 async def _models_from_replica(service: GatewayService, tenant: Tenant) -> Response:
     """The replicas serve one model (and its LoRA adapters) under their names: ask a ready
     stable one, and list only what the tenant may use."""
-    for endpoint in service.pool.endpoints(Track.STABLE):
+    for endpoint in service.pool.endpoints(STABLE):
         if not endpoint.is_routable:
             continue
         try:

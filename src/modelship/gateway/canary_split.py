@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from modelship.gateway.canary import CanaryJudge, Track, Verdict, in_canary
 from modelship.gateway.config import CanaryJudgeConfig
+from modelship.gateway.groups import CANARY
 from modelship.gateway.metrics import GatewayMetrics
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.resilience import BreakerState
@@ -55,9 +56,9 @@ class CanarySplit:
         roll it back."""
         if self.weight <= 0 or not in_canary(f"{tenant}\n{key}", self.weight, self.secret):
             return Track.STABLE
-        if self.pool.has_routable(Track.CANARY):
+        if self.pool.has_routable(CANARY):
             return Track.CANARY
-        canary = [u for u in self.pool if u.track is Track.CANARY]
+        canary = [u for u in self.pool if u.group == CANARY]
         if canary and all(u.breaker.state is BreakerState.OPEN for u in canary):
             self.record(Track.CANARY, ok=False, ttft_s=None, tenant=tenant)
         return Track.STABLE
@@ -81,7 +82,7 @@ class CanarySplit:
             return
         self.weight = 0  # from this request on, nothing goes to the canary
         logger.warning("canary rolled back: %s", verdict.reason)
-        canary_release = next((u.release for u in self.pool if u.track is Track.CANARY), "none")
+        canary_release = next((u.release for u in self.pool if u.group == CANARY), "none")
         self.metrics.canary_rollbacks.labels(canary_release).inc()
         if self.on_rollback is not None:
             self.on_rollback(verdict)

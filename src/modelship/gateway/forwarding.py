@@ -2,16 +2,18 @@
 mid-stream resume.
 
 The `Forwarder` tries the group's replicas in the router's order (then its fallbacks, then
-the primary's stable replicas for a canary or a cheaper tier), skipping open breakers, with
+the groups after it in `groups.fallback_order`), skipping open breakers, with
 backoff between attempts, within the request's deadline. Each replica's result goes to its
 breaker and, except a client's own 4xx, to the canary judge (`judge_result`). A stream
 whose replica fails mid-way is resumed on another from the tokens already sent, when the
-replicas trust the gateway (`Forwarder.replicas_trust_gateway`).
+replicas trust the gateway (`Forwarder.replicas_trust_gateway`). `unless_client_gone`
+cancels the whole forward when its client hangs up before the answer starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import random
@@ -19,6 +21,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import httpx
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from modelship.gateway.accounting import RequestHold
@@ -27,6 +30,7 @@ from modelship.gateway.config import GatewayConfig
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.engines import UpstreamBodies
 from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
+from modelship.gateway.groups import Group, all_groups, fallback_order
 from modelship.gateway.metrics import GatewayMetrics
 from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.proxy import (
@@ -41,7 +45,7 @@ from modelship.gateway.request import GatewayError, ParsedRequest, unavailable
 from modelship.gateway.resilience import Failure, FailureKind, RetryPolicy
 from modelship.gateway.routing import create_router
 from modelship.gateway.tenants import Tenant
-from modelship.gateway.tiers import PRIMARY, TIER_HEADER
+from modelship.gateway.tiers import TIER_HEADER
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
 from modelship.replica_headers import CACHE_SALT_HEADER, MAX_INPUT_TOKENS_HEADER
 from modelship.request_id import REQUEST_ID_HEADER
@@ -82,11 +86,8 @@ class Forwarder:
         )
         self.policy = config.routing.policy
         self.routers = {
-            track: create_router(self.policy, **config.routing.options) for track in Track
-        }
-        # A cheaper tier's replicas (all stable-track) have a router of their own.
-        self.tier_routers = {
-            tier.name: create_router(self.policy, **config.routing.options) for tier in config.tiers
+            group: create_router(self.policy, **config.routing.options)
+            for group in all_groups(tier.name for tier in config.tiers)
         }
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
         self.upstream_headers = upstream_headers  # the service's: type, the replicas' key
@@ -109,8 +110,7 @@ class Forwarder:
         tenant: Tenant,
         hold: RequestHold,
         request_id: str,
-        track: Track,
-        tier: str,
+        group: Group,
     ) -> Response:
         """The response to an admitted request, from the first of the group's replicas
         (then its fallbacks) to answer; the hold ends here unless a stream is returned (it
@@ -144,7 +144,7 @@ class Forwarder:
         num_attempts = num_candidates = 0
         try:
             async with asyncio.timeout_at(deadline):
-                for upstream in self.candidates(track, routing, tier):
+                for upstream in self.candidates(group, routing):
                     num_candidates += 1
                     if num_attempts >= self.retry_policy.max_attempts:
                         break
@@ -177,7 +177,7 @@ class Forwarder:
             resume = None
             if failover:
                 resume = functools.partial(
-                    self._resume, path, parsed, headers, track, tier, routing, hold, request_id
+                    self._resume, path, parsed, headers, group, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
                                 resume)  # fmt: skip
@@ -189,29 +189,12 @@ class Forwarder:
         headers = _response_headers(attempt, request_id, self.says_release(tenant))
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
 
-    def candidates(
-        self, track: Track, routing: RoutingRequest, tier: str = PRIMARY
-    ) -> Iterator[Upstream]:
-        """The router's choice, then its fallbacks. A canary request falls back to stable's
-        replicas (asked only when the canary's have failed): its client gets an answer,
-        and the judge has already counted the canary's failure. A cheaper tier's request
-        falls back to the primary's stable replicas the same way."""
-        if tier != PRIMARY:
-            groups = [(Track.STABLE, tier), (Track.STABLE, PRIMARY)]
-        elif track is Track.CANARY:
-            groups = [(Track.CANARY, PRIMARY), (Track.STABLE, PRIMARY)]
-        else:
-            groups = [(track, PRIMARY)]
-        for i, (candidate_track, candidate_tier) in enumerate(groups):
-            router = (
-                self.routers[candidate_track]
-                if candidate_tier == PRIMARY
-                else self.tier_routers[candidate_tier]
-            )
+    def candidates(self, group: Group, routing: RoutingRequest) -> Iterator[Upstream]:
+        """For each group of `fallback_order(group)`: its router's choice, then its
+        fallbacks. Only the first group's routing decision is counted."""
+        for i, candidate in enumerate(fallback_order(group)):
             try:
-                decision = router.choose(
-                    routing, self.pool.endpoints(candidate_track, candidate_tier)
-                )
+                decision = self.routers[candidate].choose(routing, self.pool.endpoints(candidate))
             except NoEndpointError:
                 continue
             if i == 0:
@@ -335,8 +318,7 @@ class Forwarder:
         path: str,
         parsed: ParsedRequest,
         headers: dict[str, str],
-        track: Track,
-        tier: str,
+        group: Group,
         routing: RoutingRequest,
         hold: RequestHold,
         request_id: str,
@@ -352,7 +334,7 @@ class Forwarder:
             self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
             return None
         content = parsed.encode(resume_token_ids=progress.token_ids)
-        for upstream in self.candidates(track, routing, tier):
+        for upstream in self.candidates(group, routing):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
             if (
@@ -404,6 +386,34 @@ class Forwarder:
         if not judge:
             return
         self.judge_result(upstream.track, ok, ttft_s, hold.tenant.name)
+
+
+async def unless_client_gone(
+    request: Request, forward: Coroutine[Any, Any, Response], hold: RequestHold
+) -> Response:
+    """Await `forward` (an admitted request's), cancelled if the client hangs up before the
+    response starts (once a stream is under way, Starlette cancels it the same way): the
+    hold then ends with 499."""
+    forwarding = asyncio.ensure_future(forward)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({forwarding, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not forwarding.done():
+            forwarding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forwarding
+            hold.end(499, None)
+    if forwarding.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return forwarding.result()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (its body was read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _unless_unresponsive(send: Coroutine[Any, Any, Attempt], upstream: Upstream) -> Attempt:

@@ -1,10 +1,11 @@
 """The replicas the gateway can send to, their health, and the active checks that keep it.
 
 An `Upstream` is one replica as the request path sees it: the routing `Endpoint` (load),
-its track and release, the engine it runs (`engines.EngineKind`), its circuit breaker and
-its last health check. The pool decides routability in one place: healthy (the last check
-of the engine's health path was 200: /ready for ours, /health for vLLM), not draining,
-breaker letting requests through, not ejected by the outlier detector.
+its group (`groups.py`: track and tier) and release, the engine it runs
+(`engines.EngineKind`), its circuit breaker and its last health check. The pool decides
+routability in one place: healthy (the last check of the engine's health path was 200:
+/ready for ours, /health for vLLM), not draining, breaker letting requests through, not
+ejected by the outlier detector. Routers and the supervisor read it by group.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from modelship.gateway.config import ResilienceConfig
 from modelship.gateway.endpoint import Endpoint
 from modelship.gateway.engine_load import EngineSample, parse_engine_sample
 from modelship.gateway.engines import EngineKind
+from modelship.gateway.groups import Group
 from modelship.gateway.resilience import BreakerState, CircuitBreaker, OutlierDetector
-from modelship.gateway.tiers import PRIMARY
+from modelship.gateway.tiers import TierLoad
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +37,9 @@ UNRESPONSIVE_AFTER_CHECKS = 2
 @dataclass(eq=False)
 class Upstream:
     endpoint: Endpoint
-    track: Track
+    group: Group
     variant: str
     breaker: CircuitBreaker
-    tier: str = PRIMARY  # a cheaper tier's replicas are stable-track, tier named
     engine: EngineKind = EngineKind.MODELSHIP
     # Given by address with no variant: the one its /ready names (`learn_variant`).
     learns_variant: bool = False
@@ -60,6 +61,14 @@ class Upstream:
     @property
     def release(self) -> str:
         return self.endpoint.release or "unknown"
+
+    @property
+    def track(self) -> Track:
+        return self.group.track
+
+    @property
+    def tier(self) -> str:
+        return self.group.tier
 
     @property
     def is_unresponsive(self) -> bool:
@@ -120,11 +129,10 @@ class EndpointPool:
         self,
         endpoint_id: str,
         url: str,
-        track: Track,
+        group: Group,
         release: str,
         variant: str = "unknown",
         is_healthy: bool = True,
-        tier: str = PRIMARY,
         engine: EngineKind = EngineKind.MODELSHIP,
     ) -> Upstream:
         """Start routing to a replica (the supervisor calls this once /ready is 200)."""
@@ -133,12 +141,11 @@ class EndpointPool:
             cool_down_s=self.config.breaker_cool_down_s,
         )
         endpoint = Endpoint(endpoint_id=endpoint_id, url=url.rstrip("/"), release=release)
-        upstream = Upstream(endpoint, track, variant, breaker, tier, engine, is_healthy=is_healthy)
+        upstream = Upstream(endpoint, group, variant, breaker, engine, is_healthy=is_healthy)
         self._upstreams[endpoint_id] = upstream
         self.outliers.set_endpoints(self._upstreams)
         self.refresh(upstream)
-        where = track if tier == PRIMARY else f"tier {tier}"
-        logger.info("routing to %s (%s, release %s) at %s", endpoint_id, where, release, url)
+        logger.info("routing to %s (%s, release %s) at %s", endpoint_id, group, release, url)
         return upstream
 
     def remove(self, endpoint_id: str) -> None:
@@ -153,11 +160,11 @@ class EndpointPool:
             upstream.is_draining = True
             self.refresh(upstream)
 
-    def retag(self, endpoint_id: str, track: Track) -> None:
-        """Move a replica to another track (a promoted canary's replicas become stable)."""
+    def retag(self, endpoint_id: str, group: Group) -> None:
+        """Move a replica to another group (a promoted canary's replicas become stable)."""
         upstream = self._upstreams.get(endpoint_id)
         if upstream is not None:
-            upstream.track = track
+            upstream.group = group
 
     def refresh(self, upstream: Upstream) -> None:
         upstream.endpoint.is_routable = (
@@ -167,12 +174,11 @@ class EndpointPool:
             and not self.outliers.is_ejected(upstream.endpoint_id)
         )
 
-    def endpoints(self, track: Track, tier: str = PRIMARY) -> list[Endpoint]:
-        """The track's endpoints in `tier` with routability as of now (routers skip the
-        others)."""
+    def endpoints(self, group: Group) -> list[Endpoint]:
+        """The group's endpoints with routability as of now (routers skip the others)."""
         result = []
         for upstream in self._upstreams.values():
-            if upstream.track is track and upstream.tier == tier:
+            if upstream.group == group:
                 self.refresh(upstream)
                 result.append(upstream.endpoint)
         return result
@@ -181,15 +187,18 @@ class EndpointPool:
         """Every replica can resume a stream another one began (mid-stream failover)."""
         return all(upstream.engine.can_resume for upstream in self._upstreams.values())
 
-    def has_routable(self, track: Track, tier: str = PRIMARY) -> bool:
-        return any(endpoint.is_routable for endpoint in self.endpoints(track, tier))
+    def has_routable(self, group: Group) -> bool:
+        return any(endpoint.is_routable for endpoint in self.endpoints(group))
 
-    def in_flight(self, track: Track, tier: str = PRIMARY) -> int:
-        return sum(
-            u.endpoint.in_flight
-            for u in self._upstreams.values()
-            if u.track is track and u.tier == tier
-        )
+    def in_flight(self, group: Group) -> int:
+        return sum(u.endpoint.in_flight for u in self._upstreams.values() if u.group == group)
+
+    def load(self, group: Group) -> TierLoad:
+        """The group's routable replicas and the requests the gateway has there (what a
+        tier's choice reads)."""
+        endpoints = self.endpoints(group)
+        routable = sum(1 for endpoint in endpoints if endpoint.is_routable)
+        return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
 
     def record_result(self, upstream: Upstream, ok: bool) -> bool:
         """Feed breaker and outlier detector; returns True when this opened the breaker."""
@@ -276,17 +285,16 @@ def learn_variant(upstream: Upstream, response: httpx.Response) -> None:
 def static_upstreams(
     pool: EndpointPool,
     urls: Iterable[str],
-    track: Track,
+    group: Group,
     release: str,
-    tier: str = PRIMARY,
     variant: str | None = None,
     engine: EngineKind = EngineKind.MODELSHIP,
 ) -> None:
     """Endpoints given by address (Kubernetes Services): unhealthy until the first check.
     With no `variant` (the production and canary releases: which variant they serve is
     select's choice, made after the render), each one's is what its /ready says."""
-    prefix = track if tier == PRIMARY else f"tier-{tier}"
+    prefix = group.track if group.is_primary else f"tier-{group.tier}"
     for i, url in enumerate(urls):
-        upstream = pool.add(f"{prefix}-{i}", url, track, release, variant or "unknown",
-                            is_healthy=False, tier=tier, engine=engine)  # fmt: skip
+        upstream = pool.add(f"{prefix}-{i}", url, group, release, variant or "unknown",
+                            is_healthy=False, engine=engine)  # fmt: skip
         upstream.learns_variant = variant is None

@@ -8,6 +8,7 @@ through unchanged.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse
 from modelship.gateway.admission import retry_after_header
 from modelship.gateway.config import RequestLimitsConfig
 from modelship.gateway.endpoint import RoutingRequest, chat_prefix_text, estimate_num_tokens
+from modelship.gateway.tiers import TIER_HEADER
 from modelship.prompt_bounds import PromptBound, exceeded_bound
 from modelship.request_id import REQUEST_ID_HEADER
 
@@ -62,6 +64,23 @@ def unauthorized() -> GatewayError:
 
 def unavailable(message: str, retry_after_s: float = 1.0) -> GatewayError:
     return GatewayError(503, message, "service_unavailable", "service_unavailable", retry_after_s)
+
+
+_REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def refused(
+    status_code: int,
+    message: str,
+    code: str,
+    retry_after_s: float | None = None,
+    param: str | None = None,
+) -> GatewayError:
+    """A tenant's limit refusing a request: 403, 400, or 429 (the only one with a
+    Retry-After)."""
+    error_type = _REFUSAL_TYPES.get(status_code, "invalid_request_error")
+    retry_after_s = retry_after_s if status_code == 429 else None
+    return GatewayError(status_code, message, error_type, code, retry_after_s, param)
 
 
 @dataclass
@@ -184,6 +203,15 @@ def parse_request(
         num_sequences=(best_of or n) * prompt.num_prompts,
         raw=raw,
     )
+
+
+def requested_tier(headers: Mapping[str, str], served: Sequence[str]) -> str | None:
+    """The tier the client named (`x-modelship-tier`), one of `served`; None: not named."""
+    name = headers.get(TIER_HEADER)
+    if name is not None and name not in served:
+        raise GatewayError(400, f"{TIER_HEADER}: no tier is named so; served: {', '.join(served)}",
+                           param=TIER_HEADER, code="unknown_tier")  # fmt: skip
+    return name
 
 
 def check_stop(stop: object, limits: RequestLimitsConfig) -> None:

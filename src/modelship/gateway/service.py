@@ -10,7 +10,6 @@ records the request's metrics. A client that hangs up ends its request at once (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,25 +26,24 @@ from modelship.gateway.canary import Track
 from modelship.gateway.canary_split import CanarySplit
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price
-from modelship.gateway.forwarding import Forwarder
+from modelship.gateway.forwarding import Forwarder, unless_client_gone
+from modelship.gateway.groups import STABLE, Group, tier_group
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics, pool_snapshot
 from modelship.gateway.pool import EndpointPool, HealthChecker
-from modelship.gateway.request import GatewayError, ParsedRequest, parse_request, unavailable
-from modelship.gateway.tenants import Tenant, TenantLimiter
-from modelship.gateway.tiers import (
-    PRIMARY,
-    TIER_HEADER,
-    TierDecision,
-    TierLoad,
-    TierNeed,
-    choose_tier,
+from modelship.gateway.request import (
+    GatewayError,
+    ParsedRequest,
+    parse_request,
+    refused,
+    requested_tier,
+    unavailable,
 )
+from modelship.gateway.tenants import Tenant, TenantLimiter
+from modelship.gateway.tiers import PRIMARY, TierDecision, TierNeed, choose_tier
 from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span
 
 logger = logging.getLogger(__name__)
-
-_REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class GatewayService:
@@ -67,7 +65,7 @@ class GatewayService:
         self.auth = GatewayAuth(config, api_key)
         self.limiter = TenantLimiter()
         self.admission = AdmissionQueue(config.admission)
-        self.tier_names = [tier.name for tier in config.tiers]
+        self.served_tiers = [PRIMARY, *(tier.name for tier in config.tiers)]
         # The local fleet's: adapters changed on the replicas it runs and those it starts.
         self.on_change_adapters: (
             Callable[[Action, dict[str, str]], Awaitable[tuple[int, dict]]] | None
@@ -117,7 +115,7 @@ class GatewayService:
         return self.admission.num_held
 
     def is_ready(self) -> bool:
-        return not self.is_draining and self.pool.has_routable(Track.STABLE)
+        return not self.is_draining and self.pool.has_routable(STABLE)
 
     def snapshot(self) -> FleetSnapshot:
         """Fleet gauges from the pool alone (static endpoints; `up` passes a richer one)."""
@@ -159,7 +157,7 @@ class GatewayService:
                 request.headers.get("x-session-id"),
                 self.config.request_limits,
             )
-            parsed.requested_tier = self._requested_tier(request)
+            parsed.requested_tier = requested_tier(request.headers, self.served_tiers)
             hold = self._admit(tenant, parsed, request_id, span)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
@@ -170,40 +168,14 @@ class GatewayService:
             end_span(span, {"tenant": tenant_name, "status": 499})
             return Response(status_code=499)
         try:
-            return await self._forward_while_connected(request, parsed, tenant, hold, request_id)
+            forward = self._forward(request.url.path, parsed, tenant, hold, request_id)
+            return await unless_client_gone(request, forward, hold)
         except GatewayError as error:
             hold.end(error.status_code, None)
             return error.response(request_id)
         except BaseException:
             hold.end(500, None)
             raise
-
-    async def _forward_while_connected(
-        self,
-        request: Request,
-        parsed: ParsedRequest,
-        tenant: Tenant,
-        hold: RequestHold,
-        request_id: str,
-    ) -> Response:
-        """`_forward`, cancelled if the client hangs up before the response starts (once a
-        stream is under way, Starlette cancels it the same way)."""
-        forward = asyncio.ensure_future(
-            self._forward(request.url.path, parsed, tenant, hold, request_id)
-        )
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not forward.done():
-                forward.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await forward
-                hold.end(499, None)
-        if forward.cancelled():
-            return Response(status_code=499)  # nobody reads it
-        return forward.result()
 
     def _admit(
         self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span
@@ -214,16 +186,9 @@ class GatewayService:
         limit = self.limiter.admit(tenant, parsed.model, parsed.input_tokens, parsed.max_tokens,
                                    now, parsed.num_sequences, check_max_input)  # fmt: skip
         if not limit.ok:
-            reason = str(limit.reason)
-            self.metrics.rejections.labels(tenant.name, reason).inc()
-            raise GatewayError(
-                limit.status_code,
-                limit.message,
-                _REFUSAL_TYPES.get(limit.status_code, "invalid_request_error"),
-                reason,
-                limit.retry_after_s if limit.status_code == 429 else None,
-                limit.param,
-            )
+            code = str(limit.reason)
+            self.metrics.rejections.labels(tenant.name, code).inc()
+            raise refused(limit.status_code, limit.message, code, limit.retry_after_s, limit.param)
         admitted = self.admission.try_admit(tenant.priority, parsed.num_sequences)
         if not admitted.ok:
             self.limiter.charge(tenant.name, -limit.num_reserved_tokens, now)
@@ -240,37 +205,29 @@ class GatewayService:
                            limit.num_reserved_tokens, time.perf_counter(), request_id,
                            parsed.model or "default", span)  # fmt: skip
 
-    def _requested_tier(self, request: Request) -> str | None:
-        """The tier the client named (`x-modelship-tier`), checked; None: not named."""
-        name = request.headers.get(TIER_HEADER)
-        if name is not None and name != PRIMARY and name not in self.tier_names:
-            served = ", ".join([PRIMARY, *self.tier_names])
-            raise GatewayError(400, f"{TIER_HEADER}: no tier is named so; served: {served}",
-                               param=TIER_HEADER, code="unknown_tier")  # fmt: skip
-        return name
+    def pick_group(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Group:
+        """The group that serves the request: its tier, then for the primary tier the
+        canary split's track."""
+        tier = self.pick_tier(parsed, tenant).tier
+        if tier != PRIMARY:
+            return tier_group(tier)
+        return Group(self.pick_track(parsed, tenant, request_id))
 
     def pick_tier(self, parsed: ParsedRequest, tenant: Tenant) -> TierDecision:
-        """Which tier serves the request (`tiers.choose_tier`), counted by tier and reason."""
+        """Which tier serves the request (`tiers.choose_tier`), counted by tier and reason;
+        the primary's load is its stable track's (a canary's share is small and judged on
+        its own)."""
         config = self.config
         if not config.tiers:
             self.metrics.tier_decisions.labels(PRIMARY, "default").inc()
             return TierDecision(PRIMARY, "default")
-        loads = {PRIMARY: self._tier_load(PRIMARY)}
-        for name in self.tier_names:
-            loads[name] = self._tier_load(name)
+        loads = {name: self.pool.load(tier_group(name)) for name in self.served_tiers}
         need = TierNeed(tenant.priority, parsed.max_tokens, parsed.input_tokens,
                         parsed.requested_tier)  # fmt: skip
         decision = choose_tier(config.tiers, config.tier_rules, config.brownout, need,
                                tenant.config, loads)  # fmt: skip
         self.metrics.tier_decisions.labels(decision.tier, decision.reason).inc()
         return decision
-
-    def _tier_load(self, tier: str) -> TierLoad:
-        """A tier's routable replicas and the requests the gateway has there; the primary's
-        counted on stable (a canary's share is small and judged on its own)."""
-        endpoints = self.pool.endpoints(Track.STABLE, tier)
-        routable = sum(1 for endpoint in endpoints if endpoint.is_routable)
-        return TierLoad(routable, sum(endpoint.in_flight for endpoint in endpoints))
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The canary split's track (`CanarySplit.pick_track`) for the tenant's session (or
@@ -280,13 +237,6 @@ class GatewayService:
     async def _forward(
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: RequestHold, request_id: str
     ) -> Response:
-        """The group (tier, then track) that serves the request, then the forwarder's."""
-        tier = self.pick_tier(parsed, tenant).tier
-        track = self.pick_track(parsed, tenant, request_id) if tier == PRIMARY else Track.STABLE
-        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, track, tier)
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns once the client has disconnected (its body was read: nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        """The group that serves the request (`pick_group`), then the forwarder's."""
+        group = self.pick_group(parsed, tenant, request_id)
+        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, group)

@@ -33,7 +33,7 @@ async def create_chat_completion(
     hints.check_fields(request)
     lora = serving.adapter_of(request)
     use = serving.tool_use(request)
-    constraint = _forced_calls(use, request) or grammar_spec(request)
+    constraint = _constraint(use, request)
     prompt = await serving.chat_prompt(request, use)
     hints.check_input(len(prompt))
     resumed = serving.resumed_token_ids(request)  # only a stream resumes
@@ -79,24 +79,23 @@ async def create_chat_completion(
     )
 
 
-def _forced_calls(use: ToolUse | None, request: p.ChatCompletionRequest) -> GrammarSpec | None:
-    """`tool_choice` "required" or a named tool, as the grammar the answer must follow."""
-    forced = tool_calls.forced_calls(use, request.tool_choice) if use is not None else None
-    if forced is None:
-        return None
-    if grammar_spec(request) is not None:
-        raise BadRequestError(
-            "tool_choice: a required or named tool leaves no room for a "
-            "structured output (response_format, guided_*)",
-            "tool_choice",
-        )
+def _constraint(use: ToolUse | None, request: p.ChatCompletionRequest) -> GrammarSpec | None:
+    """What the answer must follow: calls, with `tool_choice` "required" or a named tool
+    (a `response_format` then has no text to shape); calls or the JSON of a JSON
+    `response_format` with "auto"; else the structured output asked for, if any."""
+    spec = tool_calls.forced_calls(use, request.tool_choice) if use is not None else None
+    if spec is None:
+        spec = grammar_spec(request)  # checked: a bad schema is a 400 naming its field
+        if spec is None or use is None:
+            return spec
+        spec = tool_calls.calls_or_json(use, spec)
     try:
-        forced.check()
+        spec.check()
     except InvalidParamsError as exc:
         raise BadRequestError(
             f"tools: a parameters schema this server cannot enforce: {exc}", "tools"
         ) from exc
-    return forced
+    return spec
 
 
 @dataclass

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelship.engine.grammar_spec import GrammarSpec
+from modelship.engine.grammar_spec import JSON_WHITESPACE, GrammarSpec
 from modelship.server import protocol as p
 from modelship.server.errors import BadRequestError
 
@@ -95,6 +95,24 @@ def forced_calls(use: ToolUse, choice: object) -> GrammarSpec | None:
         tools = [tool for tool in use.tools if tool["function"]["name"] == choice.function.name]
     else:
         return None
+    rules = _calls_rules(use, tools, many=use.parallel and choice == "required")
+    return GrammarSpec("grammar", "start: calls\n" + rules, param="tool_choice")
+
+
+def calls_or_json(use: ToolUse, spec: GrammarSpec) -> GrammarSpec:
+    """`tool_choice: "auto"` with a JSON `response_format`: the answer is calls, or the JSON
+    the format asks for (as OpenAI answers such a request); other grammars stand alone."""
+    if spec.kind not in ("json_schema", "json_object"):
+        return spec
+    schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
+    schema.setdefault("x-guidance", {"whitespace_pattern": JSON_WHITESPACE})
+    rules = _calls_rules(use, use.tools, many=use.parallel)
+    grammar = f"start: calls | answer\nanswer: %json {json.dumps(schema)}\n{rules}"
+    return GrammarSpec("grammar", grammar, param=spec.param)
+
+
+def _calls_rules(use: ToolUse, tools: list[dict[str, Any]], many: bool) -> str:
+    """Lark rules whose `calls` is one call (`many`: one or more) to one of `tools`."""
     key = "parameters" if use.format == "llama3_json" else "arguments"
     call = {
         "anyOf": [
@@ -102,7 +120,7 @@ def forced_calls(use: ToolUse, choice: object) -> GrammarSpec | None:
                 "type": "object",
                 "properties": {
                     "name": {"const": tool["function"]["name"]},
-                    key: tool["function"].get("parameters") or {"type": "object"},
+                    key: _closed(tool["function"].get("parameters") or {"type": "object"}),
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
@@ -113,18 +131,32 @@ def forced_calls(use: ToolUse, choice: object) -> GrammarSpec | None:
         # may pad with whitespace until max_tokens (the tiny test model did)
         "x-guidance": {"whitespace_pattern": "[ ]?"},
     }
-    many = use.parallel and choice == "required"
     if use.format == "mistral":  # a JSON list of calls (the marker is a special token)
         calls = {"type": "array", "items": call, "minItems": 1, **({} if many else {"maxItems": 1})}
-        grammar = f"start: %json {json.dumps(calls)}\n"
-    elif use.format == "llama3_json":
+        return f"calls: %json {json.dumps(calls)}\n"
+    if use.format == "llama3_json":
         more = ' (";" call)*' if many else ""
-        grammar = f"start: call{more}\ncall: %json {json.dumps(call)}\n"
-    else:
-        marked = '"' + _START + '\\n" body "\\n' + _END + '"'
-        more = ' ("\\n" call)*' if many else ""
-        grammar = f"start: call{more}\ncall: {marked}\nbody: %json {json.dumps(call)}\n"
-    return GrammarSpec("grammar", grammar, param="tool_choice")
+        return f"calls: call{more}\ncall: %json {json.dumps(call)}\n"
+    marked = '"' + _START + '\\n" body "\\n' + _END + '"'
+    more = ' ("\\n" call)*' if many else ""
+    return f"calls: call{more}\ncall: {marked}\nbody: %json {json.dumps(call)}\n"
+
+
+def _closed(schema: Any) -> Any:
+    """A parameters schema whose objects take no property they do not name, unless they say
+    so (`additionalProperties`): a function has the arguments it declares, and a weak model
+    under an open schema invents keys until max_tokens (the tiny test model did). OpenAI's
+    strict mode and xgrammar's default read schemas the same way."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items() if key != "properties"}
+    if isinstance(schema.get("properties"), dict):  # names -> schemas (a name is no keyword)
+        closed["properties"] = {name: _closed(sub) for name, sub in schema["properties"].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 # The prompt -------------------------------------------------------------------------------

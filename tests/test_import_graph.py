@@ -129,4 +129,4 @@ def test_no_package_imports_a_layer_above_it() -> None:
 def test_the_graph_is_read_at_all() -> None:  # the checks above would pass on an empty graph
     graph = import_graph()
     assert "modelship.engine.llm_engine" in graph["modelship.engine.core"]  # a lazy import
-    assert "modelship.model.loader" in graph["modelship.engine.llm_engine"]
+    assert "modelship.model.loader" in graph["modelship.engine.worker"]

@@ -55,7 +55,7 @@ class LLMEngine:
         # The worker's parts that the server, benchmarks and tests read
         self.model_path, self.max_model_len = worker.model_path, worker.max_model_len
         self.model, self.kv_caches, self.runner = worker.model, worker.kv_caches, worker.runner
-        self.tokenizer, self.loras = worker.tokenizer, worker.loras
+        self.tokenizer, self.loras, self.tp_group = worker.tokenizer, worker.loras, worker.tp_group
         self.block_manager = BlockManager(
             worker.num_blocks, worker.block_size, self.config.enable_prefix_caching
         )

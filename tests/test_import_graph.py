@@ -286,6 +286,6 @@ def test_packages_of_one_layer_stay_apart() -> None:
 def test_the_graph_is_read_at_all() -> None:  # the checks above would pass on an empty graph
     graph = import_graph()
     assert "modelship.engine.llm_engine" in graph["modelship.engine.core"]  # a lazy import
-    assert "modelship.model.loader" in graph["modelship.engine.llm_engine"]
+    assert "modelship.model.loader" in graph["modelship.engine.worker"]
     assert upward_imports({"modelship.engine.core": {"modelship.gateway.routing"}})
     assert {unit(module) for module in PURE} <= LAYER_OF.keys()

@@ -101,7 +101,7 @@ def test_second_vocabulary_round_trip(tmp_path: Path) -> None:
 def test_a_resumed_stream_goes_on_as_one(tokenizer, cut: int) -> None:
     """Resumed after `cut` tokens (a failover), the rest of the text, held-back
     characters and a stop string spanning the cut come out as in one uninterrupted run."""
-    from modelship.engine.llm_engine import _detokenizer
+    from modelship.engine.output_processor import _detokenizer
 
     ids = tokenizer("naïve café 東京 fox jumps over", add_special_tokens=False).input_ids
     params = SamplingParams(stop=["jumps"])

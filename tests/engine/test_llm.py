@@ -223,7 +223,7 @@ def test_add_request_is_all_or_nothing(
             raise RuntimeError("registration failed")
 
     with monkeypatch.context() as patch:  # a failure after admission is undone
-        patch.setattr(engine, "_requests", FailingDict())
+        patch.setattr(engine.output_processor, "requests", FailingDict())
         with pytest.raises(RuntimeError, match="registration failed"):
             engine.add_request("bad-registration", PROMPTS[0], SamplingParams(n=3, max_tokens=4))
     assert_no_trace()

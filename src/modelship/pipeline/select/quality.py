@@ -5,7 +5,8 @@ batch and every position's next-token distribution is read, as lm-eval's loglike
 requests do. Against the base model, on held-out text never used for calibration:
 perplexity, top-1 agreement and KL(base || variant) per token. On the task set written
 in this repo (`tasks.jsonl`): multiple choice by the summed logprob of each choice, and
-exact match by whether greedy decoding reproduces the answer token by token.
+exact match by whether greedy decoding reproduces the answer token by token. Tool-call
+success is generated, not teacher-forced (`tool_use.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine
+from modelship.pipeline.select.tool_use import ToolTask, score_tool_calls
 
 TASKS_PATH = Path(__file__).with_name("tasks.jsonl")
 
@@ -78,6 +80,8 @@ class QualityResult:
     task_accuracy_by_kind: dict[str, float]
     num_eval_tokens: int
     num_task_items: int
+    tool_call_success: float | None = None  # share of `tool_use` tasks called right
+    num_tool_tasks: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -104,7 +108,12 @@ def make_reference(scorer: Scorer, chunks: list[list[int]]) -> Reference:
     return Reference(chunks, list(scorer.logprobs(chunks)))
 
 
-def measure_quality(scorer: Scorer, reference: Reference, tasks: list[TaskItem]) -> QualityResult:
+def measure_quality(
+    scorer: Scorer,
+    reference: Reference,
+    tasks: list[TaskItem],
+    tool_tasks: list[ToolTask] | None = None,
+) -> QualityResult:
     nll, agree, kl, count = 0.0, 0, 0.0, 0
     for chunk, base_lp, lp in zip(
         reference.chunks, reference.logprobs, scorer.logprobs(reference.chunks), strict=True
@@ -119,6 +128,7 @@ def measure_quality(scorer: Scorer, reference: Reference, tasks: list[TaskItem])
     for item, ok in zip(tasks, score_tasks(scorer, tasks), strict=True):
         correct.setdefault(item.kind, []).append(ok)
     all_ok = [ok for oks in correct.values() for ok in oks]
+    called = score_tool_calls(scorer.engine, tool_tasks) if tool_tasks else []
     return QualityResult(
         perplexity=math.exp(nll / count) if nll / count < 700 else math.inf,
         top1_agreement=agree / count,
@@ -127,6 +137,8 @@ def measure_quality(scorer: Scorer, reference: Reference, tasks: list[TaskItem])
         task_accuracy_by_kind={k: sum(v) / len(v) for k, v in correct.items()},
         num_eval_tokens=count,
         num_task_items=len(all_ok),
+        tool_call_success=sum(called) / len(called) if called else None,
+        num_tool_tasks=len(called),
     )
 
 

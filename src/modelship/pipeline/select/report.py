@@ -135,6 +135,7 @@ def quality_rows(names: list[str], evaluations: dict[str, dict[str, Any]]) -> li
         ("top-1 agreement with base", "top1_agreement", "{:.1%}"),
         ("KL(base || variant), nats/token", "kl_divergence", "{:.4f}"),
         ("task accuracy", "task_accuracy", "{:.1%}"),
+        ("tool-call success", "tool_call_success", "{:.1%}"),
     ]
     rows = []
     for label, key, style in fields:

@@ -39,6 +39,7 @@ from modelship.pipeline.select.scoring import (
     weights_for,
 )
 from modelship.pipeline.select.serving_benchmark import Workload, measure_serving
+from modelship.pipeline.select.tool_use import load_tool_tasks
 from modelship.release import golden
 from modelship.release.provenance import PROVENANCE_FILE
 from modelship.serve_options import ServeOptions
@@ -54,7 +55,8 @@ from modelship.storage import (
 )
 
 # Bumped when what select measures changes, so memoized evaluations are redone.
-SELECT_CODE_VERSION = 2  # 2: interleaved rounds with confidence intervals
+# 2: interleaved rounds with confidence intervals; 3: tool-call success in the quality share
+SELECT_CODE_VERSION = 3
 BASE = "base"
 
 Log = Callable[[str], None]
@@ -160,6 +162,7 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
     chunks = q.eval_chunks(tokenizer, held_out_texts(), s.eval_chunks, s.eval_chunk_tokens)
     reference = q.make_reference(base_scorer, chunks)
     tasks = q.load_tasks()
+    tool_tasks = load_tool_tasks()
     pending: dict[str, tuple[dict[str, Any], Path, float]] = {}
     for name, inputs_hash in todo:
         folder = storage.base_dir(slug) if name == BASE else storage.variant_dir(slug, name)
@@ -172,7 +175,8 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
             verify_artifact(folder)
             log(f"{name}: measuring quality")
             scorer = base_scorer if name == BASE else q.Scorer(folder)
-            evaluation["quality"] = q.measure_quality(scorer, reference, tasks).to_dict()
+            quality = q.measure_quality(scorer, reference, tasks, tool_tasks)
+            evaluation["quality"] = quality.to_dict()
             evaluation["weight_bytes"] = scorer.weight_bytes()
             if scorer is not base_scorer:
                 del scorer
@@ -227,11 +231,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def quality_share(evaluation: dict, base: dict) -> float:
-    """Mean of task-accuracy retention and cross-entropy retention against the base."""
+    """Mean of task-accuracy retention, cross-entropy retention and (where the base calls
+    any tool right) tool-call-success retention, against the base."""
     mine, ref = evaluation["quality"], base["quality"]
     tasks = 1.0 if ref["task_accuracy"] == 0 else mine["task_accuracy"] / ref["task_accuracy"]
     entropy = math.log(ref["perplexity"]) / math.log(mine["perplexity"])
-    return (min(tasks, 1.0) + min(entropy, 1.0)) / 2
+    shares = [min(tasks, 1.0), min(entropy, 1.0)]
+    if ref.get("tool_call_success"):  # a base that calls nothing right gives no scale
+        shares.append(min((mine.get("tool_call_success") or 0.0) / ref["tool_call_success"], 1.0))
+    return sum(shares) / len(shares)
 
 
 def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:

@@ -561,6 +561,25 @@ def test_responses_are_authenticated_charged_and_refused_like_chat(
     assert post(gateway, b"{not json", path="/v1/responses").status_code == 400
 
 
+def test_embeddings_through_the_gateway_are_charged_as_input(replica: ServerProcess, start_gateway):
+    gateway = start_gateway([replica.url])
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
+
+    def charged() -> tuple[float, float]:
+        return tuple(
+            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
+            for kind in ("input", "output")
+        )
+
+    before = charged()
+    answer = client.embeddings.create(model=MODEL, input=["hello world", " ".join("7" * 40)])
+    assert len(answer.data) == 2 and len(answer.data[0].embedding) == 64
+    after = charged()
+    assert (after[0] - before[0], after[1] - before[1]) == (answer.usage.prompt_tokens, 0)
+    refused = post(gateway, {"model": MODEL, "input": {"x": 1}}, path="/v1/embeddings")
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("input")
+
+
 def test_an_admin_changes_adapters_on_every_replica_given_by_address(
     start_gateway, replica: ServerProcess, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

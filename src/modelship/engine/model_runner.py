@@ -129,6 +129,7 @@ class ModelRunner:
                 if has_lora:
                     lora.segments = []
         prompt_logprobs = self._prompt_logprobs(plan, hidden)
+        self._pool(plan, hidden)
         if not sampled_seqs:
             return RunnerOutput([], None, prompt_logprobs)
         index = torch.tensor(sample_indices, dtype=torch.long, device=hidden.device)
@@ -165,6 +166,31 @@ class ModelRunner:
 
         output = sample(logits, metadata, verify if checks else None)
         return RunnerOutput(sampled_seqs, output, prompt_logprobs, row_starts)
+
+    @staticmethod
+    def _pool(plan: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Embedding requests (`params.pooling`): each prompt's final hidden states pooled
+        chunk by chunk as they are computed, the embedding set on the sequence once its
+        whole prompt is. Mean pooling counts a position once: a preempted sequence's
+        recomputed rows are skipped (`pooled_upto`), and its requests share no cached
+        prefix (the server gives them a salt of their own), so no position goes uncounted."""
+        row = 0
+        for scheduled in plan.scheduled:
+            seq, num_new = scheduled.seq, scheduled.num_new_tokens
+            pooling, start = seq.params.pooling, seq.num_computed_tokens
+            end = min(start + num_new, seq.num_prompt_tokens)
+            if pooling == "mean" and end > max(start, seq.pooled_upto):
+                first = max(start, seq.pooled_upto)
+                rows = hidden[row + first - start : row + end - start].float().sum(0)
+                seq.pooled = rows if seq.pooled is None else seq.pooled + rows
+                seq.pooled_upto = end
+            elif pooling == "last" and start < end == seq.num_prompt_tokens:
+                seq.pooled = hidden[row + end - 1 - start].float()
+            if pooling and end == seq.num_prompt_tokens and seq.embedding is None:
+                mean = pooling == "mean"
+                vector = seq.pooled / seq.num_prompt_tokens if mean else seq.pooled
+                seq.embedding = vector.tolist()
+            row += num_new
 
     def _lora_segments(self, plan: SchedulerOutput) -> list:
         """(adapter, row indices) per adapter present, rows in `prepare_inputs` order."""

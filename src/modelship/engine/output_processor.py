@@ -139,6 +139,8 @@ class OutputProcessor:
         delta = self.delta(request, index, kept, text, logprobs, finish_reason, stop_reason)
         if params.prompt_logprobs is not None and seq.num_output_tokens == len(kept):
             delta.prompt_logprobs = list(request.prompt_logprobs)
+        if params.pooling is not None and seq.num_output_tokens == len(kept):
+            delta.embedding = seq.embedding  # pooled as its prompt was computed
         if seq.is_finished:
             request.num_finished += 1
         return delta

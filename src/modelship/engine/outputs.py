@@ -39,6 +39,8 @@ class SequenceDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # With finish_reason "error": why the request failed inside the step (it alone).
     error: str | None = None
+    # An embedding request's pooled hidden states (`SamplingParams.pooling`), on its delta
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,9 @@ class InvalidParamsError(ValueError):
         self.param = param
 
 
+POOLINGS = (None, "last", "mean")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s). Mirrors vLLM's `SamplingParams` fields.
@@ -68,6 +71,11 @@ class SamplingParams:
     # `min_tokens` count only what is still to come. Penalties and a seeded generator see
     # only the new tokens (a sampled continuation is valid, not identical).
     num_resumed_tokens: int = 0
+    # An embedding request: the prompt's final hidden states pooled, "last" (the last
+    # token's) or "mean" (over every prompt position), and set on the sequence's delta
+    # (`SequenceDelta.embedding`) once its prompt is computed. The one sampled token is
+    # not the point: such requests ask for max_tokens=1.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +107,7 @@ class SamplingParams:
                 "num_resumed_tokens must be non-negative",
             ),
             ("temperature", self.temperature >= 0.0, "temperature must be non-negative"),
+            ("pooling", self.pooling in POOLINGS, "pooling must be None, 'last' or 'mean'"),
             ("top_p", 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from modelship.engine.sampling_params import SamplingParams
 
@@ -62,6 +62,11 @@ class Sequence:
         # speculative tokens proposed for the next step (verified, never part of token_ids
         # until accepted); the scheduler runs them after the last token
         self.draft_token_ids: list[int] = []
+        # An embedding request (`params.pooling`): the pooled hidden states so far (a
+        # tensor), how many prompt positions they hold, and the embedding once complete
+        self.pooled: Any = None
+        self.pooled_upto = 0
+        self.embedding: list[float] | None = None
         # draft-model speculation (`engine.draft`): the draft's probabilities of those
         # drafts ([len(drafts), vocab] tensor; None for prompt lookup and greedy requests),
         # and how many leading tokens have their KV in the draft's cache (0 after preemption)

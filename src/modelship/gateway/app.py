@@ -101,6 +101,7 @@ def create_gateway_app(
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/embeddings", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_lora_adapter", change_adapters, methods=["POST"]),
         Route("/v1/unload_lora_adapter", change_adapters, methods=["POST"]),

@@ -170,6 +170,9 @@ def parse_request(
         prefix_text = chat_prefix_text(messages)
         prompt = Prompt(prefix_text, estimate_num_tokens(prefix_text), 1, is_exact=False)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    elif path.endswith("/embeddings"):
+        prompt = read_prompt(body.get("input"), limits, field="input")
+        max_tokens = None
     else:
         prompt = read_prompt(body.get("prompt"), limits)
         max_tokens = body.get("max_tokens")
@@ -243,7 +246,7 @@ class Prompt:
     is_exact: bool  # token ids, counted
 
 
-def read_prompt(prompt: object, limits: RequestLimitsConfig) -> Prompt:
+def read_prompt(prompt: object, limits: RequestLimitsConfig, field: str = "prompt") -> Prompt:
     """A string, a list of strings, a list of token ids, or a list of such lists (the
     forms the OpenAI API takes); anything else is a 400. Token ids render as
     `"id,id,...,"`, so a prompt extending another one renders as an extension of it.
@@ -253,7 +256,7 @@ def read_prompt(prompt: object, limits: RequestLimitsConfig) -> Prompt:
     if isinstance(prompt, str):
         return Prompt(prompt, estimate_num_tokens(prompt), 1, is_exact=False)
     if isinstance(prompt, list) and prompt:
-        check_prompt_lengths(prompt, limits)
+        check_prompt_lengths(prompt, limits, field)
         if all(_is_int(t) for t in prompt):
             return Prompt(_token_text(prompt), len(prompt), 1, is_exact=True)
         if all(isinstance(p, str) for p in prompt):
@@ -265,25 +268,25 @@ def read_prompt(prompt: object, limits: RequestLimitsConfig) -> Prompt:
             return Prompt(text, sum(len(p) for p in prompt), len(prompt), is_exact=True)
     raise GatewayError(
         400,
-        "prompt: a string, a list of strings, a list of token ids or a list of token id "
+        f"{field}: a string, a list of strings, a list of token ids or a list of token id "
         "lists is required.",
     )
 
 
-def check_prompt_lengths(prompt: list, limits: RequestLimitsConfig) -> None:
+def check_prompt_lengths(prompt: list, limits: RequestLimitsConfig, field: str = "prompt") -> None:
     """A list of prompts at most `max_prompts` long, token-id lists at most
     `max_prompt_tokens` (unset: unbounded here, the replicas refuse them)."""
     exceeded = exceeded_bound(prompt, limits.max_prompts, limits.max_prompt_tokens)
     if exceeded is PromptBound.PROMPTS:
-        raise GatewayError(400, f"prompt: at most {limits.max_prompts} prompts per request.",
-                           param="prompt")  # fmt: skip
+        raise GatewayError(400, f"{field}: at most {limits.max_prompts} prompts per request.",
+                           param=field)  # fmt: skip
     if exceeded is PromptBound.TOKEN_IDS:
         raise GatewayError(
             400,
-            f"prompt: a prompt takes at most {limits.max_prompt_tokens} token ids (the served "
+            f"{field}: a prompt takes at most {limits.max_prompt_tokens} token ids (the served "
             "model's context length).",
             code="context_length_exceeded",
-            param="prompt",
+            param=field,
         )
 
 

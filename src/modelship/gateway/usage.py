@@ -27,7 +27,8 @@ class Usage:
         usage = payload.get("usage") if isinstance(payload, dict) else None
         if not isinstance(usage, dict):
             return None
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        # embeddings' usage has no completion tokens
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
         if not (isinstance(prompt, int) and isinstance(completion, int)):
             return None
         return cls(max(0, prompt), max(0, completion))

@@ -20,6 +20,7 @@ from modelship.engine import EngineClient, EngineRequest, SamplingParams
 from modelship.server import protocol as p
 from modelship.server.chat import create_chat_completion
 from modelship.server.completions import create_completion
+from modelship.server.embeddings import create_embedding
 from modelship.server.errors import (
     APIError,
     AuthenticationError,
@@ -214,6 +215,10 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(authenticate)])
     async def completions(body: p.CompletionRequest, request: Request):
         return await _respond(request, create_completion(serving, body, hints(request)))
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authenticate)])
+    async def embeddings(body: p.EmbeddingRequest, request: Request):
+        return await _respond(request, create_embedding(serving, body, hints(request)))
 
     @app.post("/v1/responses", dependencies=[Depends(authenticate)])
     async def responses(body: dict[str, Any], request: Request):

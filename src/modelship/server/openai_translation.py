@@ -53,6 +53,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled hidden states
 
 
 class OpenAIServing:
@@ -95,14 +96,17 @@ class OpenAIServing:
 
     def check_request(self, request: p.ChatCompletionRequest | p.CompletionRequest) -> None:
         """The model name and the request caps, before any tokenizing."""
-        if request.model != self.model_name and request.model not in self.adapters:
-            served = ", ".join(f"`{name}`" for name in (self.model_name, *self.adapters))
-            raise ModelNotFoundError(
-                f"The model `{request.model}` does not exist; this server serves {served}.",
-                param="model",
-            )
+        self.check_model(request.model)
         refuse_unsupported(request)
         self.limits.check(request)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name and model not in self.adapters:
+            served = ", ".join(f"`{name}`" for name in (self.model_name, *self.adapters))
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist; this server serves {served}.",
+                param="model",
+            )
 
     async def load_adapter(self, body: p.LoadLoRAAdapterRequest) -> bool:
         """Load a LoRA adapter at runtime (`POST /v1/load_lora_adapter`). False: it is
@@ -456,6 +460,8 @@ class OpenAIServing:
             choice.finish_reason = delta.finish_reason or choice.finish_reason
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
+            if delta.embedding is not None:
+                choice.embedding = delta.embedding
         return choices
 
     def chat_logprobs(self, entries: list[TokenLogprob], num_top: int) -> p.ChatLogprobs:

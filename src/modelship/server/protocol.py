@@ -402,6 +402,35 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+# Embeddings -------------------------------------------------------------------------------
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    # a text, texts, token ids, or lists of token ids (as a completion's prompt)
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64 of little-endian float32 with encoding_format
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # Models and errors -------------------------------------------------------------------------
 class ModelCard(BaseModel):
     id: str

@@ -28,7 +28,7 @@ from modelship.server.errors import BadRequestError
 from modelship.server.limits import RequestLimitsConfig
 
 _Message = dict[str, Any]
-_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 
 
 class TokenIdLimit:
@@ -48,7 +48,7 @@ class TokenIdLimit:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        error = self.check(body)
+        error = self.check(body, scope["path"])
         if error is not None:
             content = p.ErrorResponse.of(error.message, error.error_type, error.param, error.code)
             await JSONResponse(content.model_dump(), status_code=400)(scope, receive, send)
@@ -60,7 +60,7 @@ class TokenIdLimit:
 
         await self.app(scope, replayed, send)
 
-    def check(self, body: bytes) -> BadRequestError | None:
+    def check(self, body: bytes, path: str = "/v1/completions") -> BadRequestError | None:
         """The first list over its bound, as the client's error; None if none is."""
         if body.count(b",") < self.max_model_len:
             return None  # no list holds more than max_model_len items
@@ -70,21 +70,23 @@ class TokenIdLimit:
             return None  # the app answers what is wrong with it
         if not isinstance(request, dict):
             return None
+        if path == "/v1/embeddings":  # `input` is an embedding request's prompt
+            return self._check_prompt(request.get("input"), "input")
         return self._check_prompt(request.get("prompt")) or self._check_lists(request)
 
-    def _check_prompt(self, prompt: object) -> BadRequestError | None:
+    def _check_prompt(self, prompt: object, field: str = "prompt") -> BadRequestError | None:
         if not isinstance(prompt, list):
             return None
         exceeded = exceeded_bound(prompt, self.limits.max_prompts, self.max_model_len)
         if exceeded is PromptBound.PROMPTS:
             return BadRequestError(
-                f"prompt takes at most {self.limits.max_prompts} prompts per request", "prompt"
+                f"{field} takes at most {self.limits.max_prompts} prompts per request", field
             )
         if exceeded is PromptBound.TOKEN_IDS:
             return BadRequestError(
-                f"prompt: a prompt takes at most {self.max_model_len} token ids (this model's "
+                f"{field}: a prompt takes at most {self.max_model_len} token ids (this model's "
                 "maximum context length)",
-                "prompt",
+                field,
             )
         return None
 

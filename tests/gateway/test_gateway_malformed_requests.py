@@ -52,7 +52,7 @@ def test_a_method_a_route_lacks_is_an_openai_405(client: TestClient) -> None:
 
 
 def test_an_unknown_path_is_an_openai_404(client: TestClient) -> None:
-    response = client.post("/v1/embeddings", json={})
+    response = client.post("/v1/audio/speech", json={})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
 

@@ -107,7 +107,7 @@ def test_bodies_the_json_decoder_refuses_are_openai_400s(client, raw: bytes) -> 
 
 def test_unknown_paths_and_methods_are_openai_errors(client) -> None:
     """Starlette's router answered {"detail": "Not Found"} / {"detail": "Method Not Allowed"}."""
-    error = assert_openai_error(client.post("/v1/embeddings", json={}), 404, "/v1/embeddings")
+    error = assert_openai_error(client.post("/v1/audio/speech", json={}), 404, "/v1/audio/speech")
     assert error["code"] == "not_found"
     response = client.get("/v1/completions")
     error = assert_openai_error(response, 405, "GET is not allowed")

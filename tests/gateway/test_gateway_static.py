@@ -463,17 +463,19 @@ def test_a_long_answer_is_not_cut_by_the_first_byte_timeout(replica: ServerProce
     assert response.json()["usage"]["completion_tokens"] == 600
 
 
+def charged(gateway: GatewayProcess) -> tuple[float, float]:
+    """The gold tenant's charged (input, output) tokens so far."""
+    return tuple(
+        metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
+        for kind in ("input", "output")
+    )
+
+
 def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProcess, start_gateway):
     gateway = start_gateway([replica.url])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
     # Digits are about a token each: far more than the gateway's characters / 4.
     messages = [{"role": "user", "content": " ".join("7" * 200)}]
-
-    def charged() -> tuple[float, float]:
-        return tuple(
-            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
-            for kind in ("input", "output")
-        )
 
     def ask(**extra):
         return client.chat.completions.create(
@@ -481,21 +483,21 @@ def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProce
             **extra,
         )  # fmt: skip
 
-    before = charged()
+    before = charged(gateway)
     chunks = list(ask(stream=True, stream_options={"include_usage": True}))
     usage = chunks[-1].usage
     assert usage.completion_tokens == 9 and usage.prompt_tokens > 200
-    after = charged()
+    after = charged(gateway)
     assert (after[0] - before[0], after[1] - before[1]) == (usage.prompt_tokens, 9)
 
     # A client that did not ask for usage gets none, and is charged all the same.
     chunks = list(ask(stream=True))
     assert all(chunk.usage is None and chunk.choices for chunk in chunks)
-    again = charged()
+    again = charged(gateway)
     assert (again[0] - after[0], again[1] - after[1]) == (usage.prompt_tokens, 9)
 
     answer = ask()
-    final = charged()
+    final = charged(gateway)
     assert answer.usage.prompt_tokens == usage.prompt_tokens
     assert (final[0] - again[0], final[1] - again[1]) == (usage.prompt_tokens, 9)
 
@@ -513,7 +515,7 @@ def test_tenants_are_charged_the_tokens_the_replica_counted(replica: ServerProce
         lines = stream.iter_lines()
         assert sum(1 for line, _ in zip(lines, range(12), strict=False) if line) >= 5
     wait_until_idle(gateway)
-    cut = charged()
+    cut = charged(gateway)
     assert cut[0] - final[0] > 0
     assert 5 <= cut[1] - final[1] < 1500
 
@@ -527,17 +529,11 @@ def test_responses_are_authenticated_charged_and_refused_like_chat(
     gateway = start_gateway([replica.url])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
 
-    def charged() -> tuple[float, float]:
-        return tuple(
-            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
-            for kind in ("input", "output")
-        )
-
-    before = charged()
+    before = charged(gateway)
     whole = client.responses.create(model=MODEL, input=" ".join("7" * 50), max_output_tokens=5,
                                     extra_body={"ignore_eos": True})  # fmt: skip
     assert whole.status == "incomplete" and whole.usage.output_tokens == 5
-    after = charged()
+    after = charged(gateway)
     assert (after[0] - before[0], after[1] - before[1]) == (whole.usage.input_tokens, 5)
     stream = client.responses.create(
         model=MODEL,
@@ -549,7 +545,7 @@ def test_responses_are_authenticated_charged_and_refused_like_chat(
     events = list(stream)
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.usage.output_tokens == 5
-    again = charged()
+    again = charged(gateway)
     assert (again[0] - after[0], again[1] - after[1]) == (whole.usage.input_tokens, 5)
 
     refused = post(gateway, {"model": MODEL, "input": "hi", "previous_response_id": "r"},
@@ -565,16 +561,10 @@ def test_embeddings_through_the_gateway_are_charged_as_input(replica: ServerProc
     gateway = start_gateway([replica.url])
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=HIGH, max_retries=0)
 
-    def charged() -> tuple[float, float]:
-        return tuple(
-            metric(gateway, "modelship_gateway_tokens_total", tenant="gold", kind=kind)
-            for kind in ("input", "output")
-        )
-
-    before = charged()
+    before = charged(gateway)
     answer = client.embeddings.create(model=MODEL, input=["hello world", " ".join("7" * 40)])
     assert len(answer.data) == 2 and len(answer.data[0].embedding) == 64
-    after = charged()
+    after = charged(gateway)
     assert (after[0] - before[0], after[1] - before[1]) == (answer.usage.prompt_tokens, 0)
     refused = post(gateway, {"model": MODEL, "input": {"x": 1}}, path="/v1/embeddings")
     assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("input")

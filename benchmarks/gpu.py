@@ -127,15 +127,18 @@ def bench_parity(folder: Path, args) -> dict:
 
 def bench_modelship(folder: Path, args, prompts, num_tokens: int, **config) -> dict:
     llm = modelship_llm(folder, args, **config)
-    warmup = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompts[: min(8, len(prompts))], warmup)  # kernels compiled, caches built
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    sync(args.device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = {"seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds}
+    # A workload of the same shape with other prompts runs first (other prompts, so the
+    # timed run gets no prefix-cache hits from it): Triton specializes and compiles its
+    # kernels per batch size and argument alignment the first time it meets them, and a
+    # short warm-up covers few of them. On a fresh H200 the first pass of the 256-request
+    # workload ran at 5,834 tok/s and later passes at ~9,300 (docs/performance.md); the
+    # cold pass is kept in the JSON.
+    vocab = args.shapes["speed"]["vocab_size"]
+    warmup = random_prompts(len(prompts), 64, 512, vocab, args.seed + 1000)
+    cold = timed_generate(llm, warmup, params, args.device)
+    result = timed_generate(llm, prompts, params, args.device)
+    result["cold_output_tok_s"] = cold["output_tok_s"]
     result["weight_bytes"] = llm.engine.weight_bytes()
     model = llm.engine.model
     result["dtype"] = str(model.dtype).removeprefix("torch.")
@@ -144,6 +147,15 @@ def bench_modelship(folder: Path, args, prompts, num_tokens: int, **config) -> d
     del llm
     free_memory()
     return result
+
+
+def timed_generate(llm: LLM, prompts, params: SamplingParams, device: str) -> dict:
+    sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds}
 
 
 def decode_modelship(llm: LLM, args) -> dict:

@@ -1,10 +1,10 @@
-"""Agent and structured-output frameworks, unmodified, against a real `modelship serve`:
-LangChain (`with_structured_output`, `bind_tools`), pydantic-ai (typed output), and the
-OpenAI Agents SDK (a function tool and a typed output, over the Responses API and over
-chat completions). The tiny random model writes neither JSON nor calls by itself: each
-answer here is held to its shape by the grammar the request asks for (a schema, a forced
-tool), which is what these frameworks rely on servers for. (instructor is left out: it
-pins an older openai SDK than this project's.)"""
+"""Agent and structured-output frameworks, unmodified, against a real `modelship serve`
+and through a gateway in front of it: LangChain (`with_structured_output`, `bind_tools`),
+pydantic-ai (typed output), and the OpenAI Agents SDK (a function tool and a typed output,
+over the Responses API and over chat completions). The tiny random model writes neither
+JSON nor calls by itself: each answer here is held to its shape by the grammar the request
+asks for (a schema, a forced tool), which is what these frameworks rely on servers for.
+(instructor is left out: it pins an older openai SDK than this project's.)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel
+
+from gateway_process import GatewayProcess
 
 from server_process import ServerProcess
 
@@ -27,13 +29,31 @@ class Weather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama_dir: Path) -> Iterator[str]:
+def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(
         tiny_llama_dir, "--served-model-name", MODEL, "--max-model-len", "2048",
         "--kv-cache-memory-mb", "32",
     )  # fmt: skip
-    yield f"{server.url}/v1"
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module", params=["serve", "gateway"])
+def base_url(
+    request: pytest.FixtureRequest, server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The replica itself, and the gateway in front of it (as `modelship up` and Kubernetes
+    put it): the gateway forwards schemas, tools and Responses requests, and translates
+    Responses at its edge for failover, so the clients must work through it too."""
+    if request.param == "serve":
+        yield f"{server.url}/v1"
+        return
+    gateway = GatewayProcess(tmp_path_factory.mktemp("gateway"), {}, "--endpoint", server.url)
+    try:
+        gateway.wait_ready(60)
+        yield f"{gateway.url}/v1"
+    finally:
+        gateway.stop()
 
 
 def test_langchain_structured_output_and_tools(base_url: str) -> None:

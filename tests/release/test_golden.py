@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 
+from modelship.release import golden
 from modelship.release.golden import (
     Agreement,
     GoldenAnswer,
@@ -13,6 +16,8 @@ from modelship.release.golden import (
     read_reference,
     write_reference,
 )
+
+from server_process import ServerProcess
 
 
 def answer(prompt: str, tokens: str, logprobs: list[float] | None = None) -> GoldenAnswer:
@@ -40,3 +45,35 @@ def test_references_round_trip_and_a_missing_file_is_none(tmp_path: Path) -> Non
     write_reference(tmp_path / "golden.json", reference)
     assert read_reference(tmp_path / "golden.json") == reference
     assert read_reference(tmp_path / "missing.json") is None
+
+
+def test_other_tool_calls_on_the_same_tokens_do_not_agree() -> None:
+    """A replica that reads the same tokens into other calls (another tool-call parser, a
+    changed template) is drift on that prompt."""
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    reference = [GoldenAnswer("w", "", ["<", "call"], [-1.0, -1.0], [call])]
+    same = [GoldenAnswer("w", "", ["<", "call"], [-1.0, -1.0], [call])]
+    unparsed = [GoldenAnswer("w", "<call", ["<", "call"], [-1.0, -1.0], [])]
+    assert compare(reference, same).tokens == 1.0
+    assert compare(reference, unparsed).tokens == 0.0
+
+
+def test_the_golden_prompts_with_tools_are_served(tiny_llama_dir: Path) -> None:
+    """Every golden prompt, the one that offers a tool included, is a request a replica
+    accepts and answers with each token's logprob (what the drift probe compares)."""
+
+    server = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len",
+                           "512", "--kv-cache-memory-mb", "16")  # fmt: skip
+    try:
+
+        async def ask_all() -> list[GoldenAnswer]:
+            async with httpx.AsyncClient() as client:
+                return await golden.ask_all(client, server.url, "tiny")
+
+        answers = asyncio.run(ask_all())
+    finally:
+        server.stop()
+    assert [a.prompt for a in answers] == list(golden.GOLDEN_PROMPTS)
+    assert set(golden.GOLDEN_TOOLS) <= set(golden.GOLDEN_PROMPTS)
+    assert all(a.tokens and len(a.tokens) == len(a.logprobs) for a in answers)
+    assert compare(answers, answers).tokens == 1.0

@@ -7,13 +7,17 @@ winner's answers, with each generated token and its logprob, in the release as
 replica of that release and compares: a replica serving other weights than the ones select
 measured (altered on disk, a wrong file, a broken kernel) answers differently. One module for
 both sides, so the request and the comparison cannot drift apart themselves.
+
+One golden prompt offers a tool (`GOLDEN_TOOLS`, `tool_choice` auto, as clients send it):
+its answer's parsed calls are recorded and compared too, so a replica that reads the same
+tokens into other calls (another `--tool-call-parser`, a changed chat template) is drift.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -23,7 +27,25 @@ GOLDEN_PROMPTS = (
     "Write one sentence about the ocean.",
     "List three colors.",
     "Explain what a computer is in one sentence.",
+    "What is the weather in Paris right now?",
 )
+# The tools offered with a golden prompt, by prompt (the drift probe asks by prompt text).
+GOLDEN_TOOLS: dict[str, list[dict]] = {
+    "What is the weather in Paris right now?": [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The current weather in a city.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+}
 MAX_TOKENS = 48
 GOLDEN_FILE = "golden.json"
 
@@ -34,6 +56,8 @@ class GoldenAnswer:
     text: str
     tokens: list[str]  # each generated token's text, as the API's logprobs name it
     logprobs: list[float]  # the chosen token's logprob at each step
+    # the calls parsed from the answer, {"name", "arguments"} each (a prompt with tools)
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -61,17 +85,23 @@ async def ask(
         "temperature": 0,
         "logprobs": True,
     }
+    if prompt in GOLDEN_TOOLS:
+        body["tools"] = GOLDEN_TOOLS[prompt]
     response = await client.post(
         f"{url}/v1/chat/completions", json=body, headers=headers, timeout=timeout_s
     )
     response.raise_for_status()
     choice = response.json()["choices"][0]
     content = (choice.get("logprobs") or {}).get("content") or []
+    calls = choice["message"].get("tool_calls") or []
     return GoldenAnswer(
         prompt=prompt,
         text=choice["message"]["content"] or "",
         tokens=[entry["token"] for entry in content],
         logprobs=[float(entry["logprob"]) for entry in content],
+        tool_calls=[
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+        ],
     )
 
 
@@ -84,12 +114,14 @@ async def ask_all(
 
 
 def compare(reference: list[GoldenAnswer], observed: list[GoldenAnswer]) -> Agreement:
-    """Agreement of `observed` with `reference`, prompt by prompt (matched by prompt text)."""
+    """Agreement of `observed` with `reference`, prompt by prompt (matched by prompt text).
+    An answer whose parsed tool calls differ from the reference's agrees 0 on its prompt,
+    whatever its tokens."""
     answers = {answer.prompt: answer for answer in observed}
     shares, deltas = [], [0.0]
     for ref in reference:
         got = answers.get(ref.prompt)
-        if got is None:
+        if got is None or got.tool_calls != ref.tool_calls:
             shares.append(0.0)
             continue
         same = 0

@@ -7,15 +7,18 @@ and the gateway (`gateway/responses.py`) translate with this module, so a respon
 the gateway is a chat completion there: routed, retried, resumed on failover and counted
 like any other.
 
-Dicts in, dicts out, no I/O. Fields of the Responses spec that the translation cannot honour
+Dicts in, dicts out (and chat SSE text in, Responses SSE text out: `translate_stream`), no
+I/O of its own. Fields of the Responses spec that the translation cannot honour
 are refused by name (`ResponsesRequestError`, a 400), never dropped.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -502,3 +505,34 @@ def chat_chunks(sse_text: str) -> list[dict[str, Any] | None]:
         data = line[5:].strip()
         payloads.append(None if data == "[DONE]" else json.loads(data))
     return payloads
+
+
+async def translate_stream(
+    request: ResponsesRequest, chat_stream: AsyncIterator[str | bytes]
+) -> AsyncIterator[str]:
+    """The Responses event stream of a chat completion's SSE stream, text or bytes in pieces
+    of any size (a piece may end inside an event or a character). The stream always closes
+    its response: a chat stream cut without `[DONE]` (the client hung up, a replica died)
+    ends in `response.completed`/`incomplete`/`failed` all the same, and the chat stream is
+    closed with this one (a client that hangs up aborts the generation)."""
+    events = ResponseEvents(request)
+    for event in events.start():
+        yield sse_event(event)
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    pending = ""
+    try:
+        async for piece in chat_stream:
+            pending += utf8.decode(piece) if isinstance(piece, bytes) else piece
+            whole, _, pending = pending.rpartition("\n\n")  # events end with a blank line
+            for chunk in chat_chunks(whole):
+                for event in events.finish() if chunk is None else events.feed(chunk):
+                    yield sse_event(event)
+    finally:
+        close = getattr(chat_stream, "aclose", None)
+        if close is not None:
+            await close()
+    for chunk in chat_chunks(pending):  # a last event without its blank line
+        for event in events.finish() if chunk is None else events.feed(chunk):
+            yield sse_event(event)
+    for event in events.finish():
+        yield sse_event(event)

@@ -5,9 +5,7 @@ failover and counted by the one chat path, and its answer translated back. Error
 
 from __future__ import annotations
 
-import codecs
 import json
-from collections.abc import AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,7 +33,7 @@ async def respond(service: GatewayService, request: Request) -> Response:
         return answer
     headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_HEADERS}
     if isinstance(answer, StreamingResponse):
-        events = _events(translated, answer.body_iterator)
+        events = responses_api.translate_stream(translated, answer.body_iterator)
         return StreamingResponse(
             events, headers=headers, media_type="text/event-stream", background=answer.background
         )
@@ -59,26 +57,3 @@ def _as_chat_request(request: Request, translated: responses_api.ResponsesReques
     path = responses_api.CHAT_PATH
     scope = dict(request.scope, path=path, raw_path=path.encode())
     return Request(scope, receive)
-
-
-async def _events(
-    translated: responses_api.ResponsesRequest, chat_stream: AsyncIterator[str | bytes]
-) -> AsyncIterator[str]:
-    events = responses_api.ResponseEvents(translated)
-    for event in events.start():
-        yield responses_api.sse_event(event)
-    utf8 = codecs.getincrementaldecoder("utf-8")()  # a piece may end inside a character
-    pending = ""
-    try:
-        async for piece in chat_stream:
-            pending += utf8.decode(piece) if isinstance(piece, bytes) else piece
-            whole, _, pending = pending.rpartition("\n\n")  # events end with a blank line
-            for chunk in responses_api.chat_chunks(whole):
-                for event in events.finish() if chunk is None else events.feed(chunk):
-                    yield responses_api.sse_event(event)
-    finally:  # the client hung up, or the stream ended: the chat stream ends with it
-        close = getattr(chat_stream, "aclose", None)
-        if close is not None:
-            await close()
-    for event in events.finish():
-        yield responses_api.sse_event(event)

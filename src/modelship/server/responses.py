@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -33,24 +34,16 @@ async def create_response(
     answer = await create_chat_completion(serving, chat, hints)
     if isinstance(answer, p.ChatCompletionResponse):
         return responses_api.translate_response(request, answer.model_dump())
-    return _events(request, answer)
+    return responses_api.translate_stream(request, _chat_stream(answer))
 
 
-async def _events(
-    request: responses_api.ResponsesRequest, chunks: AsyncIterator[str]
-) -> AsyncIterator[str]:
-    events = responses_api.ResponseEvents(request)
-    for event in events.start():
-        yield responses_api.sse_event(event)
+async def _chat_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The chat stream with a failure after the headers as the error event a replica's chat
+    stream carries, which the translation answers the Responses way (`response.failed`)."""
     try:
         async with aclosing(chunks):  # a client that hangs up closes the chat stream: aborted
             async for text in chunks:
-                for chunk in responses_api.chat_chunks(text):
-                    for event in events.finish() if chunk is None else events.feed(chunk):
-                        yield responses_api.sse_event(event)
-    except APIError as exc:  # after the headers: the Responses way to fail, not a cut stream
+                yield text
+    except APIError as exc:
         error = {"message": exc.message, "code": exc.code, "param": exc.param}
-        for event in events.feed({"error": error}):
-            yield responses_api.sse_event(event)
-    for event in events.finish():  # a stream cut without [DONE] still closes its response
-        yield responses_api.sse_event(event)
+        yield f"data: {json.dumps({'error': error})}\n\n"

@@ -57,7 +57,7 @@ def test_pooled_states_equal_transformers_across_prefill_chunks(
 
 
 def test_pooling_follows_the_folders_sentence_transformers_config(tmp_path: Path) -> None:
-    from modelship.server.embeddings import pooling_of
+    from modelship.server.embedding_shape import pooling_of
 
     assert pooling_of(tmp_path) == "last" and pooling_of(None) == "last"
     (tmp_path / "1_Pooling").mkdir()

@@ -3,22 +3,21 @@
 An embedding is a prefill-only request through the same scheduler as generation (batched
 with it, chunked, preemptible): `SamplingParams.pooling` makes the runner pool the prompt's
 hidden states as they are computed (`engine.model_runner`), and its one sampled token is
-dropped. Pooling follows the model folder: a sentence-transformers `1_Pooling/config.json`
-asking for mean pooling gets "mean", anything else the last token's state ("last", what
-decoder embedding models such as e5-mistral and gte-Qwen use). Mean pooling reads every
-prompt position, so such a request shares no cached prefix (a salt of its own); the last
-token is always computed, so "last" keeps the tenant's prefix cache.
+dropped. Pooling follows the model folder (`embedding_shape.py`, read at start-up): a
+sentence-transformers `1_Pooling/config.json` asking for mean pooling gets "mean", anything
+else the last token's state ("last", what decoder embedding models such as e5-mistral and
+gte-Qwen use). Mean pooling reads every prompt position, so such a request shares no cached
+prefix (a salt of its own); the last token is always computed, so "last" keeps the tenant's
+prefix cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import math
 import struct
 import uuid
-from pathlib import Path
 
 from modelship.engine import EngineRequest, SamplingParams
 from modelship.server import protocol as p
@@ -27,30 +26,11 @@ from modelship.server.gateway_hints import GatewayHints
 from modelship.server.openai_translation import OpenAIServing
 
 
-def pooling_of(model_dir: Path | None) -> str:
-    """Mean pooling where the folder's sentence-transformers config asks for it, else the
-    last token's state."""
-    config = (model_dir / "1_Pooling" / "config.json") if model_dir else None
-    if config is not None and config.is_file():
-        mean = json.loads(config.read_text()).get("pooling_mode_mean_tokens")
-        return "mean" if mean else "last"
-    return "last"
-
-
-def hidden_size_of(model_dir: Path | None) -> int | None:
-    config = (model_dir / "config.json") if model_dir else None
-    if config is None or not config.is_file():
-        return None
-    data = json.loads(config.read_text())
-    return data.get("hidden_size") or (data.get("text_config") or {}).get("hidden_size")
-
-
 async def create_embedding(
     serving: OpenAIServing, request: p.EmbeddingRequest, hints: GatewayHints
 ) -> p.EmbeddingResponse:
     serving.check_model(request.model)
-    model_dir = _model_dir(serving)
-    size = hidden_size_of(model_dir)
+    size = serving.embedding_shape.dimensions
     if request.dimensions is not None and request.dimensions != size:
         raise BadRequestError(
             f"dimensions: this model's embeddings have {size} dimensions and cannot be "
@@ -70,7 +50,7 @@ async def create_embedding(
     if len(prompts) > serving.limits.max_prompts:
         raise BadRequestError(f"input: at most {serving.limits.max_prompts} inputs", "input")
     hints.check_input(sum(len(prompt) for prompt in prompts))
-    pooling = pooling_of(model_dir)
+    pooling = serving.embedding_shape.pooling
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
     lora = None if request.model == serving.model_name else request.model
     request_id = uuid.uuid4().hex[:24]
@@ -93,11 +73,6 @@ async def create_embedding(
     num_tokens = sum(len(prompt) for prompt in prompts)
     usage = p.EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
     return p.EmbeddingResponse(data=data, model=request.model, usage=usage)
-
-
-def _model_dir(serving: OpenAIServing) -> Path | None:
-    name = getattr(serving.tokenizer, "name_or_path", None)
-    return Path(name) if name and Path(name).is_dir() else None
 
 
 async def _prompts(serving: OpenAIServing, given: object) -> list[list[int]]:

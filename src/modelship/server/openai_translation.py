@@ -28,6 +28,7 @@ from modelship.engine.outputs import TokenLogprob
 from modelship.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from modelship.server import protocol as p
 from modelship.server import tool_calls
+from modelship.server.embedding_shape import EmbeddingShape, model_dir_of
 from modelship.server.errors import (
     APIError,
     BadRequestError,
@@ -85,6 +86,7 @@ class OpenAIServing:
         self.limits = limits or RequestLimitsConfig()
         self.tokenizer = engine.tokenizer
         self.fim = FimTokens.find(self.tokenizer)  # None: `suffix` is refused
+        self.embedding_shape = EmbeddingShape.of(model_dir_of(self.tokenizer))
         self.reasoning_parser = reasoning_parser.resolve(
             getattr(self.tokenizer, "chat_template", None)
         )

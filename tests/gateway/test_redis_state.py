@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry, Counter
 
 from modelship.gateway import RefusalReason, Tenant, TenantConfig, hash_api_key
@@ -32,8 +33,10 @@ def make_tenant(name: str, **limits) -> Tenant:
     return Tenant(config.name, config)
 
 
-def gateways(url: str, num: int = 2, slot_lease_s: float = 600.0) -> list[RedisTenantState]:
-    failures = Counter("state_failures", "", ["operation"], registry=CollectorRegistry())
+def gateways(
+    url: str, num: int = 2, slot_lease_s: float = 600.0, registry: CollectorRegistry | None = None
+) -> list[RedisTenantState]:
+    failures = Counter("state_failures", "", ["operation"], registry=registry)
     return [
         RedisTenantState(url, fail_open=False, failures=failures, slot_lease_s=slot_lease_s)
         for _ in range(num)
@@ -134,5 +137,38 @@ def test_a_tenant_without_quotas_never_reaches_the_store() -> None:
         assert decision.ok and decision.max_tokens == 16 and decision.hold_id == ""
         assert decision.num_reserved_tokens == 4 + 16
         await state.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_settle_that_failed_is_sent_again_and_applied_once(server: RedisProcess) -> None:
+    tenant = make_tenant("resent", tokens_per_minute=100, max_concurrent=1)
+
+    async def scenario() -> None:
+        registry = CollectorRegistry()
+        a, b = gateways(server.url, registry=registry)
+        a.settle_retry_delays_s = (0.5,) * 8  # bounded: 4 s
+        taken = await a.admit(tenant, "m", 20, 40)  # 60 of 100 reserved, the one slot
+        assert taken.ok
+        # The store takes no writes for 1.5 s: the settle times out (0.5 s) and is sent
+        # again until it lands.
+        pause = redis.Redis(port=server.port)
+        pause.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        pause.close()
+        a.settle(tenant, taken, -30, 1)  # used 30 of its 60: 70 left once applied
+        await a.settled()
+        a.settle(tenant, taken, -30, 1)  # and once more, as a timed-out one that had run
+        await a.settled()
+        assert registry.get_sample_value("state_failures_total", {"operation": "settle"}) >= 1
+        assert (await b.admit(tenant, "m", 10, 10)).ok  # the slot came back; 50 left
+        refused = await b.admit(tenant, "m", 10, 0)  # the slot is b's now
+        assert refused.reason is RefusalReason.MAX_CONCURRENT
+        await b.close()
+        (c,) = gateways(server.url, num=1)
+        # Refunded once: about 50 left, 75 do not fit (refunded twice, 80 would: 75 does).
+        over = await c.admit(make_tenant("resent", tokens_per_minute=100), "m", 20, 55)
+        assert over.reason is RefusalReason.TOKENS_PER_MINUTE
+        await a.close()
+        await c.close()
 
     asyncio.run(scenario())

@@ -2,8 +2,8 @@
 (`gateway.state: redis://HOST:PORT/DB`, Redis >= 5 or Valkey).
 
 Each admission is one Lua script, so its checks and takes are atomic across replicas, on
-the store's clock (`TIME`: replicas' clocks need not agree). Per tenant, three keys, one
-hash slot (`{tenant}`, for Redis Cluster):
+the store's clock (`TIME`: replicas' clocks need not agree). Per tenant, these keys, in
+one hash slot (`{tenant}`, for Redis Cluster):
 - `modelship:{T}:requests` and `modelship:{T}:tokens`: token buckets, a hash of `level`
   and `at` (seconds), refilled at limit/60 per second up to the limit, as
   `tenants.TokenBucket`; each expires once it would be full again, saying nothing then
@@ -11,16 +11,21 @@ hash slot (`{tenant}`, for Redis Cluster):
 - `modelship:{T}:slots`: concurrency slots, a sorted set of `HOLD:i` (one per sequence)
   scored by when the slot expires: `slot_lease_s` after admission, so a gateway that
   died holding slots gives them back after at most the longest a request can be held.
-Settling (the refund or charge, and the slots back) is a second script, run in a task.
+- `modelship:{T}:hold:HOLD`: one per admitted request until it is settled (same lease).
+Settling (the refund or charge, and the slots back) is a second script, run in a task
+started when the response ends: a slot is free again once it lands, a loop turn later. It
+applies only while the hold's key exists and deletes it, so a settle is applied once
+however often it is sent: one that failed (or timed out, having perhaps run) is sent again,
+`settle_retry_delays_s` apart, before the slots are left to their lease.
 
 The store not answering (connection refused or lost, `socket_timeout_s` passed): with
 `gateway.state_failure: closed` (the default) the request is refused, 503 with
 Retry-After, code `state_unavailable`; with `open` it is admitted unmetered (the checks
 that need no state still apply). Either way `modelship_gateway_state_failures_total`
 counts it and a warning is logged (the first failure, then at most one line per
-`log_every_s`). A settle that fails leaves the slots to their lease and the reservation
-charged in full. Commands are never retried: a script that timed out may have run, and
-running it again would take twice.
+`log_every_s`). A settle that fails every time leaves the slots to their lease and the
+reservation charged in full. An admission is never retried: one that timed out may have
+run, and running it again would take twice.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ local function save(key, per_minute, new_level)
 end
 """
 
-# KEYS: slots, requests, tokens. ARGV: max_concurrent, requests/min, tokens/min (0: no
+# KEYS: slots, requests, tokens, hold. ARGV: max_concurrent, requests/min, tokens/min (0: no
 # limit), sequences, tokens to reserve, hold id, slot lease (s).
 # Returns {outcome, seconds to wait}: 0 admitted, 1 concurrency, 2 requests/min,
 # 3 tokens/min, 4 tokens/min never (more than the whole quota).
@@ -93,21 +98,23 @@ if max_concurrent > 0 then
   for i = 1, n do redis.call('ZADD', KEYS[1], now + lease, hold .. ':' .. i) end
   redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 1000) + 1000)
 end
+redis.call('SET', KEYS[4], n, 'PX', math.ceil(lease * 1000))
 return {0, '0'}
 """
 )
 
-# KEYS: slots, tokens. ARGV: tokens/min (0: no limit), tokens to charge (negative:
-# refund), hold id, sequences.
+# KEYS: slots, tokens, hold. ARGV: tokens/min (0: no limit), tokens to charge (negative:
+# refund), hold id, sequences. Returns 1 where applied, 0 where already settled (or lost).
 _SETTLE = (
     _BUCKETS
     + """
 local tpm, num_tokens, hold, n = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+if redis.call('DEL', KEYS[3]) == 0 then return 0 end
 for i = 1, n do redis.call('ZREM', KEYS[1], hold .. ':' .. i) end
 if tpm > 0 and num_tokens ~= 0 then
   save(KEYS[2], tpm, math.min(tpm, level(KEYS[2], tpm) - num_tokens))
 end
-return 0
+return 1
 """
 )
 
@@ -119,10 +126,10 @@ _REFUSALS = {
 }
 
 
-def _keys(tenant_name: str) -> tuple[str, str, str]:
-    """The tenant's slots, requests and tokens keys (one Redis Cluster hash slot)."""
+def _keys(tenant_name: str, hold_id: str) -> tuple[str, str, str, str]:
+    """The tenant's slots, requests, tokens and hold keys (one Redis Cluster hash slot)."""
     tag = f"modelship:{{{tenant_name}}}"
-    return f"{tag}:slots", f"{tag}:requests", f"{tag}:tokens"
+    return f"{tag}:slots", f"{tag}:requests", f"{tag}:tokens", f"{tag}:hold:{hold_id}"
 
 
 class RedisTenantState:
@@ -138,20 +145,22 @@ class RedisTenantState:
         concurrency_retry_after_s: float = 1.0,
         socket_timeout_s: float = 0.5,
         log_every_s: float = 10.0,
+        settle_retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0),
     ) -> None:
         self.fail_open = fail_open
         self.failures = failures  # labelled by operation: admit, settle
         self.slot_lease_s = slot_lease_s
         self.concurrency_retry_after_s = concurrency_retry_after_s
         self.log_every_s = log_every_s
+        self.settle_retry_delays_s = settle_retry_delays_s
         self._redis = Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
-        self._admit = self._redis.register_script(_ADMIT)
-        self._settle = self._redis.register_script(_SETTLE)
+        self._admit_script = self._redis.register_script(_ADMIT)
+        self._settle_script = self._redis.register_script(_SETTLE)
         self._pending: set[asyncio.Task] = set()
         self._is_failing = False
         self._logged_at = -float("inf")
@@ -177,7 +186,7 @@ class RedisTenantState:
         args = [*(limit or 0 for limit in limits), num_sequences, ask.num_tokens, hold_id,
                 self.slot_lease_s]  # fmt: skip
         try:
-            outcome, wait = await self._admit(keys=_keys(tenant.name), args=args)
+            outcome, wait = await self._admit_script(keys=_keys(tenant.name, hold_id), args=args)
         except (RedisError, OSError) as error:
             self._failed("admit", error)
             if self.fail_open:
@@ -210,26 +219,31 @@ class RedisTenantState:
         self._pending.add(task)  # held, so the task is not collected before it ran
         task.add_done_callback(self._pending.discard)
 
-    async def settled(self, timeout_s: float = 2.0) -> None:
+    async def settled(self, timeout_s: float = 20.0) -> None:
         """Wait (at most `timeout_s`) for the settles on their way to the store."""
         if self._pending:
             await asyncio.wait(set(self._pending), timeout=timeout_s)
 
     async def close(self) -> None:
-        await self.settled()
+        await self.settled(timeout_s=2.0)  # a gateway shutting down waits no longer
         await self._redis.aclose()
 
     async def _settle_now(
         self, tenant: Tenant, hold_id: str, num_tokens: int, num_sequences: int
     ) -> None:
-        slots, _, tokens = _keys(tenant.name)
+        slots, _, tokens, hold = _keys(tenant.name, hold_id)
         args = [tenant.config.tokens_per_minute or 0, num_tokens, hold_id, num_sequences]
-        try:
-            await self._settle(keys=[slots, tokens], args=args)
-        except (RedisError, OSError) as error:
-            self._failed("settle", error)
-        else:
-            self._answered()
+        for delay_s in (*self.settle_retry_delays_s, None):
+            try:
+                await self._settle_script(keys=[slots, tokens, hold], args=args)
+            except (RedisError, OSError) as error:
+                self._failed("settle", error)
+                if delay_s is None:
+                    return  # the slots wait for their lease
+                await asyncio.sleep(delay_s)
+            else:
+                self._answered()
+                return
 
     def _failed(self, operation: str, error: BaseException) -> None:
         self.failures.labels(operation).inc()

@@ -533,3 +533,29 @@ def test_tenants_need_a_key_the_engines_trust() -> None:
         render(config_for("deployment", gateway=gateway))
     keyed = render(config_for("deployment", gateway=gateway, serve={"api_key": "sk-replicas"}))
     assert by_kind(keyed.objects, "Secret")
+
+
+def test_tenant_quotas_across_gateway_replicas_need_a_shared_store() -> None:
+    from modelship.deploy.render import RenderError
+    from modelship.gateway import hash_api_key
+
+    tenants = [
+        {"name": "free", "api_key_sha256": hash_api_key("sk-free")},
+        {"name": "paid", "api_key_sha256": hash_api_key("sk-paid"), "requests_per_minute": 60},
+    ]
+    serve = {"api_key": "sk-replicas"}
+    # Two gateway replicas (the default), each keeping its own buckets: 2x every quota.
+    with pytest.raises(RenderError) as refused:
+        render(config_for("deployment", gateway={"tenants": tenants}, serve=serve))
+    message = str(refused.value)
+    assert "gateway.state" in message and "deploy.serving.gateway.replicas is 2" in message
+    assert "'paid'" in message and "'free'" not in message  # only tenants with quotas
+    shared = {"tenants": tenants, "state": "redis://quota-store:6379/0"}
+    assert render(config_for("deployment", gateway=shared, serve=serve)).objects
+    one = config_for("deployment", gateway={"tenants": tenants}, serve=serve)
+    serving = one.deploy.serving
+    gateway = serving.gateway.model_copy(update={"replicas": 1})
+    deploy = one.deploy.model_copy(
+        update={"serving": serving.model_copy(update={"gateway": gateway})}
+    )
+    assert render(one.model_copy(update={"deploy": deploy})).objects

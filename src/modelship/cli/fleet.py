@@ -78,6 +78,15 @@ def gateway(
             "fail over (vLLM replicas: never) follow it.",
         ),
     ] = None,
+    state: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_STATE",
+            help="Redis URL of the tenant quota store every gateway replica shares "
+            "(default: gateway.state; an environment variable keeps its password out of "
+            "pipeline.yaml).",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
@@ -97,7 +106,9 @@ def gateway(
         engine=engine,
     )
     try:
-        gateway = StandaloneGateway(config, replicas, os.environ.get("MODELSHIP_API_KEY"))
+        gateway = StandaloneGateway(
+            config, replicas, os.environ.get("MODELSHIP_API_KEY"), state_url=state
+        )
     except GatewaySetupError as exc:
         fail(str(exc), CONFIG_EXIT_CODE)
     setup_logging(config.log_format)

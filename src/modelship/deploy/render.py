@@ -85,6 +85,7 @@ def config_problems(config: ModelshipConfig) -> list[str]:
             "gateway.tenants: the engines need an API key, or every tenant shares one prefix "
             "cache; set serve.api_key (or deploy.serving.api_key_secret)"
         )
+    problems += shared_quota_problems(config)
     if serving.kind == "kserve" and config.gateway.tiers:
         problems.append(
             "gateway.tiers: rendered for deploy.serving.kind 'deployment' only (an engine "
@@ -96,6 +97,27 @@ def config_problems(config: ModelshipConfig) -> list[str]:
     if len(set(tasks)) != len(tasks):
         problems.append(f"optimize.variants: {tasks} repeat once made into task names")
     return problems
+
+
+def shared_quota_problems(config: ModelshipConfig) -> list[str]:
+    """Tenant quotas kept in each gateway process would multiply by the gateway replicas:
+    refused unless the replicas share a store (`gateway.state`). Dividing the quotas by the
+    replica count instead would be wrong whenever traffic does not split evenly (a client's
+    keep-alive connection stays on one pod) and whenever the replica count changes."""
+    replicas = config.deploy.serving.gateway.replicas
+    if config.deploy.serving.kind != "deployment" or replicas < 2 or config.gateway.state:
+        return []
+    quotas = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+    limited = [t.name for t in config.gateway.tenants if any(getattr(t, q) for q in quotas)]
+    if not limited:
+        return []
+    return [
+        f"gateway.state: tenants {', '.join(map(repr, limited))} set requests_per_minute, "
+        f"tokens_per_minute or max_concurrent, and deploy.serving.gateway.replicas is "
+        f"{replicas}: kept in each gateway, every tenant would get {replicas} times its "
+        "quotas. Set gateway.state: redis://HOST:PORT/DB (a Redis every gateway replica "
+        "reaches, shared by them), or deploy.serving.gateway.replicas: 1"
+    ]
 
 
 def render(config: ModelshipConfig) -> Rendered:

@@ -45,7 +45,9 @@ class StandaloneGateway:
         config: ModelshipConfig,
         replicas: StaticReplicas,
         environment_api_key: str | None = None,
+        state_url: str | None = None,
     ) -> None:
+        """`state_url`: the tenant quota store (`--state`), over `gateway.state`."""
         if not replicas.stable:
             raise GatewaySetupError(
                 "no replicas: pass --endpoint URL or set MODELSHIP_GATEWAY_ENDPOINTS"
@@ -86,8 +88,14 @@ class StandaloneGateway:
                 "tenants would share one prefix cache. Set serve.api_key (or "
                 "MODELSHIP_API_KEY) here and on the replicas"
             )
+        gateway = config.gateway.bounded_by(config.serve.engine.max_model_len)
+        if state_url is not None:
+            try:
+                gateway = gateway.with_state(state_url)
+            except ValueError as exc:
+                raise GatewaySetupError(f"--state: {exc}") from None
         self.service = GatewayService(
-            config.gateway.bounded_by(config.serve.engine.max_model_len),
+            gateway,
             self.pool,
             api_key=config.serve.api_key or environment_api_key,
             upstream_api_key=upstream_key,

@@ -17,7 +17,8 @@ from modelship.gateway.admission import AdmissionQueue
 from modelship.gateway.cost import Price, UsageLedger, UsageRecord, now_utc
 from modelship.gateway.metrics import GatewayMetrics
 from modelship.gateway.pool import Upstream
-from modelship.gateway.tenants import Tenant, TenantLimiter
+from modelship.gateway.tenant_state import TenantState
+from modelship.gateway.tenants import LimitDecision, Tenant
 from modelship.gateway.usage import Usage
 from modelship.tracing import Span, end_span
 
@@ -28,7 +29,7 @@ access_logger = logging.getLogger("modelship.access")  # one line per request, i
 class Accounting:
     """Where requests' ends are recorded; one per gateway process."""
 
-    limiter: TenantLimiter
+    tenant_state: TenantState
     admission: AdmissionQueue
     metrics: GatewayMetrics
     # variant -> price per 1k tokens (`modelship up` adds those derived from select's
@@ -46,7 +47,7 @@ class RequestHold:
     tenant: Tenant
     num_sequences: int
     input_tokens: int  # as estimated at admission
-    num_reserved_tokens: int  # taken from the tenant's bucket at admission
+    limit: LimitDecision  # the tenant's admission: its reservation, its hold in the store
     started_at: float
     request_id: str = ""
     model: str = "default"
@@ -69,13 +70,14 @@ class RequestHold:
         if usage is None:
             usage = Usage(self.input_tokens, self.num_output_if_abandoned)
         num_used = usage.prompt_tokens + usage.completion_tokens
+        reserved = self.limit.num_reserved_tokens
         if abandoned:  # mid-generation: it may have used all the reservation allowed
-            num_used = max(num_used, self.num_reserved_tokens)
+            num_used = max(num_used, reserved)
         accounting, name = self.accounting, self.tenant.name
         # The reservation covered the input's estimate and the output's bound: refund what
         # went unused (or charge an underestimated input, or an unbounded output).
-        accounting.limiter.charge(name, num_used - self.num_reserved_tokens, time.monotonic())
-        accounting.limiter.release(name, self.num_sequences)
+        accounting.tenant_state.settle(self.tenant, self.limit, num_used - reserved,
+                                       self.num_sequences)  # fmt: skip
         accounting.admission.release(self.tenant.priority, self.num_sequences)
         metrics = accounting.metrics
         release = self.upstream.release if self.upstream else "none"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import posixpath
 import re
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -23,6 +24,8 @@ from modelship.gateway.admission import AdmissionConfig
 from modelship.gateway.routing import create_router, supported_routers
 from modelship.gateway.tenants import TenantConfig
 from modelship.gateway.tiers import PRIMARY, BrownoutConfig, TierConfig, TierRule, check_tiers
+
+STATE_SCHEMES = ("redis", "rediss", "unix")
 
 
 class _Section(BaseModel):
@@ -157,6 +160,13 @@ class GatewayConfig(_Section):
     # Folders (absolute, as the replicas see them) adapters may be loaded from through the
     # gateway; none: loading is refused (unloading still works).
     adapter_roots: list[str] = Field(default_factory=list)
+    # Where tenants' quotas (requests/min, tokens/min, concurrency) are kept
+    # (`gateway/tenant_state.py`): None, in each gateway process (N gateway replicas admit
+    # N budgets); a Redis-protocol URL (redis://, rediss://, unix://), shared by every
+    # gateway replica. `modelship gateway --state` / MODELSHIP_GATEWAY_STATE override it.
+    state: str | None = None
+    # The store not answering: refuse quota'd requests (503) or admit them unmetered.
+    state_failure: Literal["open", "closed"] = "closed"
 
     @field_validator("metrics_api_key_sha256", "admin_api_key_sha256", mode="before")
     @classmethod
@@ -181,6 +191,19 @@ class GatewayConfig(_Section):
             if not root.startswith("/"):
                 raise ValueError(f"{root!r} is not an absolute path")
         return [posixpath.normpath(root) for root in roots]
+
+    @field_validator("state")
+    @classmethod
+    def _state_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            # Only the scheme is named: the URL may hold the store's password.
+            scheme = urlsplit(url).scheme
+            if scheme not in STATE_SCHEMES:
+                raise ValueError(
+                    f"expected a Redis URL ({', '.join(s + '://' for s in STATE_SCHEMES)}), "
+                    f"got scheme {scheme!r}"
+                )
+        return url
 
     @field_validator("tenants")
     @classmethod
@@ -212,3 +235,8 @@ class GatewayConfig(_Section):
             return self
         bounded = limits.model_copy(update={"max_prompt_tokens": max_model_len})
         return self.model_copy(update={"request_limits": bounded})
+
+    def with_state(self, url: str) -> GatewayConfig:
+        """This config with its tenant quotas in the store at `url` (checked as
+        `gateway.state`; raises ValueError naming only the scheme)."""
+        return self.model_copy(update={"state": GatewayConfig._state_url(url)})

@@ -126,6 +126,15 @@ class GatewayMetrics:
         self.fleet_registry.register(
             EngineCollector(PREFIX + "replica_", lambda: snapshot().engines)
         )
+        # Fleet health, public: the shared tenant quota store (`gateway.state`) not answering.
+        self.state_failures = Counter(
+            PREFIX + "state_failures",
+            "Calls to the shared tenant quota store (gateway.state) that failed, by operation "
+            "(admit: the request was refused or admitted unmetered per gateway.state_failure; "
+            "settle: its slots wait for their lease, its reservation is not refunded).",
+            ["operation"],
+            registry=self.fleet_registry,
+        )
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

@@ -66,7 +66,12 @@ def unavailable(message: str, retry_after_s: float = 1.0) -> GatewayError:
     return GatewayError(503, message, "service_unavailable", "service_unavailable", retry_after_s)
 
 
-_REFUSAL_TYPES = {403: "permission_error", 400: "invalid_request_error", 429: "rate_limit_error"}
+_REFUSAL_TYPES = {
+    403: "permission_error",
+    400: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",  # the shared quota store did not answer
+}
 
 
 def refused(
@@ -76,10 +81,10 @@ def refused(
     retry_after_s: float | None = None,
     param: str | None = None,
 ) -> GatewayError:
-    """A tenant's limit refusing a request: 403, 400, or 429 (the only one with a
-    Retry-After)."""
+    """A tenant's limit refusing a request: 403, 400, 429, or 503 where its quotas could not
+    be read (the last two with a Retry-After)."""
     error_type = _REFUSAL_TYPES.get(status_code, "invalid_request_error")
-    retry_after_s = retry_after_s if status_code == 429 else None
+    retry_after_s = retry_after_s if status_code in (429, 503) else None
     return GatewayError(status_code, message, error_type, code, retry_after_s, param)
 
 

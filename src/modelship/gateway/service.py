@@ -38,7 +38,8 @@ from modelship.gateway.request import (
     requested_tier,
     unavailable,
 )
-from modelship.gateway.tenants import Tenant, TenantLimiter
+from modelship.gateway.tenant_state import create_tenant_state
+from modelship.gateway.tenants import Tenant
 from modelship.gateway.tiers import PRIMARY, TierDecision, TierNeed, choose_tier
 from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span
@@ -63,7 +64,6 @@ class GatewayService:
         self.tracing = tracing or Tracing()  # off unless configured: spans cost nothing
         self.pool = pool
         self.auth = GatewayAuth(config, api_key)
-        self.limiter = TenantLimiter()
         self.admission = AdmissionQueue(config.admission)
         self.served_tiers = [PRIMARY, *(tier.name for tier in config.tiers)]
         # The local fleet's: adapters changed on the replicas it runs and those it starts.
@@ -74,6 +74,7 @@ class GatewayService:
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self.metrics = GatewayMetrics(fleet_snapshot or self.snapshot)
+        self.tenant_state = create_tenant_state(config, self.metrics)
         self.canary = CanarySplit(config.canary, pool, self.metrics, canary_weight,
                                   num_tenants=len(config.tenants))  # fmt: skip
         self.forwarder = Forwarder(config, pool, self.metrics, self.tracing,
@@ -82,7 +83,7 @@ class GatewayService:
         prices = {
             name: Price(p.input_per_1k, p.output_per_1k) for name, p in config.cost.variants.items()
         }
-        self.accounting = Accounting(self.limiter, self.admission, self.metrics, prices,
+        self.accounting = Accounting(self.tenant_state, self.admission, self.metrics, prices,
                                      access_log=access_log)  # fmt: skip
         self.is_draining = False
         self.client: httpx.AsyncClient | None = None
@@ -108,6 +109,7 @@ class GatewayService:
             self._health_task.cancel()
         if self.client is not None:
             await self.client.aclose()
+        await self.tenant_state.close()
         self.tracing.shutdown()
 
     @property
@@ -158,7 +160,7 @@ class GatewayService:
                 self.config.request_limits,
             )
             parsed.requested_tier = requested_tier(request.headers, self.served_tiers)
-            hold = self._admit(tenant, parsed, request_id, span)
+            hold = await self._admit(tenant, parsed, request_id, span)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
             end_span(span, {"tenant": tenant_name, "status": error.status_code})
@@ -177,22 +179,22 @@ class GatewayService:
             hold.end(500, None)
             raise
 
-    def _admit(
+    async def _admit(
         self, tenant: Tenant, parsed: ParsedRequest, request_id: str, span: Span
     ) -> RequestHold:
-        now = time.monotonic()
         # A text's token count is the replica's to check (exactly) when it trusts us.
         check_max_input = parsed.input_is_exact or not self.forwarder.replicas_trust_gateway
-        limit = self.limiter.admit(tenant, parsed.model, parsed.input_tokens, parsed.max_tokens,
-                                   now, parsed.num_sequences, check_max_input)  # fmt: skip
+        limit = await self.tenant_state.admit(tenant, parsed.model, parsed.input_tokens,
+                                              parsed.max_tokens, parsed.num_sequences,
+                                              check_max_input)  # fmt: skip
         if not limit.ok:
             code = str(limit.reason)
             self.metrics.rejections.labels(tenant.name, code).inc()
             raise refused(limit.status_code, limit.message, code, limit.retry_after_s, limit.param)
         admitted = self.admission.try_admit(tenant.priority, parsed.num_sequences)
         if not admitted.ok:
-            self.limiter.charge(tenant.name, -limit.num_reserved_tokens, now)
-            self.limiter.release(tenant.name, parsed.num_sequences)
+            self.tenant_state.settle(tenant, limit, -limit.num_reserved_tokens,
+                                     parsed.num_sequences)  # fmt: skip
             self.metrics.rejections.labels(tenant.name, admitted.reason or "queue_full").inc()
             if admitted.status_code == 400:
                 raise GatewayError(400, admitted.message, code=admitted.reason)
@@ -202,7 +204,7 @@ class GatewayService:
             parsed.max_tokens = limit.max_tokens
         parsed.set("priority", int(tenant.priority))  # the tenant's class, not the client's
         return RequestHold(self.accounting, tenant, parsed.num_sequences, parsed.input_tokens,
-                           limit.num_reserved_tokens, time.perf_counter(), request_id,
+                           limit, time.perf_counter(), request_id,
                            parsed.model or "default", span)  # fmt: skip
 
     def pick_group(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Group:

@@ -2,8 +2,10 @@
 
 Keys are configured and compared as sha256 hex digests: the gateway never holds, logs or
 returns a key. Limits are token buckets over a minute (requests, and tokens counting
-input and output) plus a cap on concurrent requests. The buckets live in one gateway
-process: N gateways in front of the same replicas admit up to N times each budget.
+input and output) plus a cap on concurrent requests. Where they are kept is
+`tenant_state.py`'s: in this process (N gateways admit up to N times each budget), or in
+a store every gateway replica shares (`gateway.state`). This module decides what a request
+asks for and how a refusal reads, the same for both.
 
 Tokens per minute are reserved at admission: the input (an estimate from the prompt's
 UTF-8 bytes, which errs high, or the exact count of token ids) plus what the output may
@@ -239,6 +241,9 @@ class RefusalReason(StrEnum):
     MAX_CONCURRENT = "max_concurrent"
     REQUESTS_PER_MINUTE = "requests_per_minute"
     TOKENS_PER_MINUTE = "tokens_per_minute"
+    # The shared store of tenant state (`gateway.state`) did not answer and
+    # `gateway.state_failure` is closed: a 503, nobody's fault.
+    STATE_UNAVAILABLE = "state_unavailable"
 
 
 @dataclass(frozen=True)
@@ -256,6 +261,9 @@ class LimitDecision:
     param: str | None = None  # the field at fault
     # Taken from the tokens-per-minute bucket: the input plus the output's bound.
     num_reserved_tokens: int = 0
+    # What the store of tenant state knows this admission by ("" where it holds nothing for
+    # it); given back to `TenantState.settle`.
+    hold_id: str = ""
 
 
 @dataclass
@@ -265,8 +273,55 @@ class _TenantUsage:
     in_flight: int = 0
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What an admissible request takes from its tenant's quotas."""
+
+    num_sequences: int  # concurrency slots
+    num_tokens: int  # the tokens-per-minute reservation: the input plus `num_output`
+    num_output: int  # n x the output cap (0: no output bound)
+    max_tokens: int | None  # the output cap to send on
+
+
+def plan_admission(
+    tenant: Tenant,
+    model: str,
+    input_tokens: int,
+    max_tokens: int | None,
+    num_sequences: int = 1,
+    check_max_input: bool = True,
+) -> LimitDecision | Ask:
+    """The refusal no waiting can fix, else what the request would take (`Ask`). Pure: the
+    same for every store of tenant state (`tenant_state.py`)."""
+    config = tenant.config
+    refused = _check_request(
+        tenant, model, input_tokens if check_max_input else None, max_tokens, num_sequences
+    )
+    if refused is not None:
+        return refused
+    cap = max_tokens if max_tokens is not None else config.max_output_tokens
+    num_output = num_sequences * cap if cap is not None else 0
+    return Ask(num_sequences, input_tokens + num_output, num_output, cap)
+
+
+def quota_refusal(
+    config: TenantConfig, reason: RefusalReason, retry_after_s: float, ask: Ask
+) -> LimitDecision:
+    """The refusal for a quota that is full now (429), or that `ask` could never fit in
+    (`retry_after_s` inf: 400)."""
+    if reason is RefusalReason.MAX_CONCURRENT:
+        message = f"at most {config.max_concurrent} concurrent requests"
+    elif reason is RefusalReason.REQUESTS_PER_MINUTE:
+        message = f"at most {config.requests_per_minute} requests per minute"
+    else:
+        if math.isinf(retry_after_s):
+            return _never_fits(config, ask.num_tokens - ask.num_output, ask.num_output)
+        message = f"at most {config.tokens_per_minute} tokens per minute"
+    return _too_many(reason, retry_after_s, message)
+
+
 class TenantLimiter:
-    """Admits or refuses each tenant's requests against its limits.
+    """Admits or refuses each tenant's requests against its limits, in this process.
 
     Check, then commit: nothing is taken from any bucket unless every check passes. An
     admitted request holds one concurrency slot per sequence (`n` per prompt) until
@@ -294,50 +349,33 @@ class TenantLimiter:
     ) -> LimitDecision:
         """`check_max_input` False: `input_tokens` is an estimate and the replica checks
         `max_input_tokens` on the real count."""
+        ask = plan_admission(tenant, model, input_tokens, max_tokens, num_sequences,
+                             check_max_input)  # fmt: skip
+        if isinstance(ask, LimitDecision):
+            return ask
         config = tenant.config
-        refused = self._check_request(
-            tenant, model, input_tokens if check_max_input else None, max_tokens, num_sequences
-        )
-        if refused is not None:
-            return refused
-        cap = max_tokens if max_tokens is not None else config.max_output_tokens
-        num_output = num_sequences * cap if cap is not None else 0
-        reserved = input_tokens + num_output
         usage = self._usage_of(tenant, now)
         if (
             config.max_concurrent is not None
             and usage.in_flight + num_sequences > config.max_concurrent
         ):
-            return _too_many(
-                RefusalReason.MAX_CONCURRENT,
-                self.concurrency_retry_after_s,
-                f"at most {config.max_concurrent} concurrent requests",
-            )
+            reason = RefusalReason.MAX_CONCURRENT
+            return quota_refusal(config, reason, self.concurrency_retry_after_s, ask)
         if usage.requests is not None:
             wait = usage.requests.retry_after_s(1, now)
             if wait > 0:
-                return _too_many(
-                    RefusalReason.REQUESTS_PER_MINUTE,
-                    wait,
-                    f"at most {config.requests_per_minute} requests per minute",
-                )
+                return quota_refusal(config, RefusalReason.REQUESTS_PER_MINUTE, wait, ask)
         if usage.tokens is not None:
-            wait = usage.tokens.retry_after_s(reserved, now)
-            if math.isinf(wait):
-                return _never_fits(config, input_tokens, num_output)
+            wait = usage.tokens.retry_after_s(ask.num_tokens, now)
             if wait > 0:
-                return _too_many(
-                    RefusalReason.TOKENS_PER_MINUTE,
-                    wait,
-                    f"at most {config.tokens_per_minute} tokens per minute",
-                )
+                return quota_refusal(config, RefusalReason.TOKENS_PER_MINUTE, wait, ask)
         # Commit: every check passed.
         if usage.requests is not None:
             usage.requests.try_take(1, now)
         if usage.tokens is not None:
-            usage.tokens.try_take(reserved, now)
+            usage.tokens.try_take(ask.num_tokens, now)
         usage.in_flight += num_sequences
-        return LimitDecision(ok=True, max_tokens=cap, num_reserved_tokens=reserved)
+        return LimitDecision(ok=True, max_tokens=ask.max_tokens, num_reserved_tokens=ask.num_tokens)
 
     def charge(self, tenant_name: str, num_tokens: int, now: float) -> None:
         """Debit tokens used past the reservation (may leave the tenant in debt); a
@@ -363,52 +401,52 @@ class TenantLimiter:
             self._usage[tenant.name] = usage
         return usage
 
-    @staticmethod
-    def _check_request(
-        tenant: Tenant,
-        model: str,
-        input_tokens: int | None,
-        max_tokens: int | None,
-        num_sequences: int,
-    ) -> LimitDecision | None:
-        """The limits that no waiting can fix (`input_tokens` None: left to the replica)."""
-        config = tenant.config
-        if config.max_concurrent is not None and num_sequences > config.max_concurrent:
-            return LimitDecision(
-                ok=False,
-                reason=RefusalReason.MAX_CONCURRENT,
-                status_code=400,
-                message=f"the request asks for {num_sequences} sequences at once; "
-                f"this key allows at most {config.max_concurrent} concurrent",
-            )
-        if not tenant.may_use(model):
-            return LimitDecision(
-                ok=False,
-                reason=RefusalReason.MODEL_NOT_ALLOWED,
-                status_code=403,
-                message=f"this key may not use model {model!r}",
-            )
-        if (
-            config.max_input_tokens is not None
-            and input_tokens is not None
-            and input_tokens > config.max_input_tokens
-        ):
-            return LimitDecision(
-                ok=False,
-                reason=RefusalReason.INPUT_TOO_LONG,
-                status_code=400,
-                message=f"the prompt has {input_tokens} tokens; "
-                f"this key allows at most {config.max_input_tokens}",
-            )
-        cap = config.max_output_tokens
-        if cap is not None and max_tokens is not None and max_tokens > cap:
-            return LimitDecision(
-                ok=False,
-                reason=RefusalReason.MAX_TOKENS_TOO_LARGE,
-                status_code=400,
-                message=f"max_tokens is {max_tokens}; this key allows at most {cap}",
-            )
-        return None
+
+def _check_request(
+    tenant: Tenant,
+    model: str,
+    input_tokens: int | None,
+    max_tokens: int | None,
+    num_sequences: int,
+) -> LimitDecision | None:
+    """The limits that no waiting can fix (`input_tokens` None: left to the replica)."""
+    config = tenant.config
+    if config.max_concurrent is not None and num_sequences > config.max_concurrent:
+        return LimitDecision(
+            ok=False,
+            reason=RefusalReason.MAX_CONCURRENT,
+            status_code=400,
+            message=f"the request asks for {num_sequences} sequences at once; "
+            f"this key allows at most {config.max_concurrent} concurrent",
+        )
+    if not tenant.may_use(model):
+        return LimitDecision(
+            ok=False,
+            reason=RefusalReason.MODEL_NOT_ALLOWED,
+            status_code=403,
+            message=f"this key may not use model {model!r}",
+        )
+    if (
+        config.max_input_tokens is not None
+        and input_tokens is not None
+        and input_tokens > config.max_input_tokens
+    ):
+        return LimitDecision(
+            ok=False,
+            reason=RefusalReason.INPUT_TOO_LONG,
+            status_code=400,
+            message=f"the prompt has {input_tokens} tokens; "
+            f"this key allows at most {config.max_input_tokens}",
+        )
+    cap = config.max_output_tokens
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        return LimitDecision(
+            ok=False,
+            reason=RefusalReason.MAX_TOKENS_TOO_LARGE,
+            status_code=400,
+            message=f"max_tokens is {max_tokens}; this key allows at most {cap}",
+        )
+    return None
 
 
 def _per_minute(limit: int | None, now: float) -> TokenBucket | None:

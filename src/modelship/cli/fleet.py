@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -87,6 +88,15 @@ def gateway(
             "pipeline.yaml).",
         ),
     ] = None,
+    usage_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_USAGE_DIR",
+            help="Append the usage ledger here (the model's usage/ folder on the models "
+            "volume, which `modelship usage` reads); each gateway replica writes a file of "
+            "its own.",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
@@ -107,7 +117,11 @@ def gateway(
     )
     try:
         gateway = StandaloneGateway(
-            config, replicas, os.environ.get("MODELSHIP_API_KEY"), state_url=state
+            config,
+            replicas,
+            os.environ.get("MODELSHIP_API_KEY"),
+            state_url=state,
+            usage_dir=usage_dir,
         )
     except GatewaySetupError as exc:
         fail(str(exc), CONFIG_EXIT_CODE)

@@ -6,11 +6,13 @@ addresses are fixed, each unhealthy until its first health check."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
 from modelship.gateway.app import create_gateway_app
+from modelship.gateway.cost import UsageLedger, writer_name
 from modelship.gateway.engines import EngineKind
 from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, static_upstreams
@@ -46,8 +48,11 @@ class StandaloneGateway:
         replicas: StaticReplicas,
         environment_api_key: str | None = None,
         state_url: str | None = None,
+        usage_dir: Path | None = None,
     ) -> None:
-        """`state_url`: the tenant quota store (`--state`), over `gateway.state`."""
+        """`state_url`: the tenant quota store (`--state`), over `gateway.state`;
+        `usage_dir`: the folder of the usage ledger (`--usage-dir`, the model's `usage/` on
+        the models volume), where this gateway appends to a file of its own."""
         if not replicas.stable:
             raise GatewaySetupError(
                 "no replicas: pass --endpoint URL or set MODELSHIP_GATEWAY_ENDPOINTS"
@@ -103,6 +108,8 @@ class StandaloneGateway:
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
         )
+        if usage_dir is not None:
+            self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())
 
     def app(self) -> Starlette:
         return create_gateway_app(self.service)

@@ -11,7 +11,10 @@ So a faster variant is cheaper per token, as it is to whoever pays for the machi
 The ledger is one JSON line per finished request (`models/<slug>/usage/<UTC date>.jsonl`:
 time, tenant, model, release, variant, status, tokens, cost), appended as each request
 ends; Prometheus has the same sums as counters, but counters restart with the gateway and
-cannot answer "since when".
+cannot answer "since when". Several gateways (replicas on Kubernetes, `modelship gateway
+--usage-dir`) each append to a file of their own, `<UTC date>.<writer>.jsonl`: appends from
+two hosts to one file on a network volume can interleave or overwrite each other, files of
+their own cannot, and the reader sums every file of a day.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import re
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +73,15 @@ class UsageRecord:
 
 
 class UsageLedger:
-    """Appends `UsageRecord`s to `folder/<UTC date>.jsonl`, a line per request, written
-    whole with one `write` (readers never see half a line)."""
+    """Appends `UsageRecord`s to `folder/<UTC date>.jsonl` (`folder/<UTC date>.<writer>.jsonl`
+    when the folder has other writers too), a line per request, written whole with one
+    `write` (readers never see half a line)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, writer: str | None = None) -> None:
+        if writer is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", writer):
+            raise ValueError(f"a ledger writer's name is letters, digits, - and _: {writer!r}")
         self.folder = folder
+        self.writer = writer
         self._day: str | None = None
         self._file: IO[str] | None = None
 
@@ -82,7 +91,8 @@ class UsageLedger:
             if day != self._day or self._file is None:
                 self.close()
                 self.folder.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.folder / f"{day}.jsonl", "a", buffering=1)  # noqa: SIM115
+                name = f"{day}.jsonl" if self.writer is None else f"{day}.{self.writer}.jsonl"
+                self._file = open(self.folder / name, "a", buffering=1)  # noqa: SIM115
                 self._day = day
             self._file.write(json.dumps(record.__dict__, separators=(",", ":")) + "\n")
         except OSError as exc:  # a full disk must not fail requests; the counters still count
@@ -92,6 +102,13 @@ class UsageLedger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def writer_name() -> str:
+    """This process's name as a ledger writer: its host (the pod's name on Kubernetes) and
+    process id."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
 
 
 def now_utc() -> str:
@@ -115,10 +132,11 @@ def parse_since(text: str, now: dt.datetime | None = None) -> dt.datetime:
 
 
 def read_usage(folder: Path, since: dt.datetime) -> Iterator[UsageRecord]:
-    """The ledger's records at or after `since` (days before it are not opened)."""
+    """The ledger's records at or after `since`, from every writer's file (days before it
+    are not opened)."""
     first_day = since.astimezone(dt.UTC).date().isoformat()
     for path in sorted(folder.glob("*.jsonl")):
-        if path.stem < first_day:
+        if path.name[:10] < first_day:  # <UTC date>[.<writer>].jsonl
             continue
         with path.open() as f:
             for line in f:

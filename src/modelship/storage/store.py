@@ -86,6 +86,19 @@ class Storage:
         """Caches that are not artifacts (e.g. the Hub download cache), kept under the root."""
         return self.root / "cache" / name
 
+    def models(self) -> list[str]:
+        """The slugs of the models under the root, sorted: folders under models/ holding a
+        base, a variant or a release (a failed first acquire leaves none of them)."""
+        folder = self.root / "models"
+        if not folder.is_dir():
+            return []
+        held = ("base", "optimized", "releases")
+        return sorted(
+            p.name
+            for p in folder.iterdir()
+            if _SLUG_RE.match(p.name) and any((p / name).exists() for name in held)
+        )
+
     def releases(self, slug: str) -> list[int]:
         folder = self.model_dir(slug) / "releases"
         if not folder.is_dir():

@@ -1,5 +1,5 @@
-"""Which model the commands act on (the one in storage, not the demo) and `modelship list`,
-through the real command line."""
+"""Which model the commands act on (the one in storage, not the demo), `modelship list`,
+and what the commands say of a model with nothing yet, through the real command line."""
 
 from __future__ import annotations
 
@@ -128,3 +128,56 @@ def test_select_with_nothing_optimized_is_one_line_with_the_fix(
     lines = result.stderr.strip().splitlines()
     assert lines == [lines[-1]] and "nothing to select from" in lines[0]
     assert "modelship optimize" in lines[0]
+
+
+def test_a_model_without_releases_reads_without_python_values(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    acquire(str(tiny_llama_dir), Storage(tmp_path), name="my-model")
+    release = run_cli("release", "status", "--storage", str(tmp_path))
+    assert release.returncode == 0, release.stderr
+    assert "production: none (my-model has no release yet: `modelship select`" in release.stdout
+    rollback = run_cli("rollback", "--storage", str(tmp_path))
+    assert rollback.returncode == 1
+    assert "my-model has no release yet" in rollback.stderr
+    for result in (release, rollback):
+        assert "None" not in result.stdout + result.stderr
+
+
+def test_status_shows_memoized_as_yes_or_no(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from modelship.pipeline.dag import DAG, Step
+    from modelship.pipeline.run import run_dir
+
+    storage = Storage(tmp_path)
+    acquire(str(tiny_llama_dir), storage, name="my-model")
+    steps = [
+        Step("acquire", lambda ctx: {"memoized": True}),
+        Step("optimize-fp16", lambda ctx: {"memoized": False}, after=("acquire",)),
+    ]
+    DAG(steps, run_dir(storage, "my-model")).run()
+    result = run_cli("status", "--storage", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    cells = [line.strip("│ ").split("│") for line in result.stdout.splitlines() if "│" in line]
+    rows = {row[0].strip(): [cell.strip() for cell in row] for row in cells}
+    assert "yes" in rows["acquire"] and "no" in rows["optimize-fp16"]
+    assert "True" not in result.stdout and "False" not in result.stdout
+
+
+def test_rollback_to_the_production_release_refuses_and_writes_nothing(
+    one_model: Storage,
+) -> None:
+    result = run_cli("rollback", "--to", "1", "--storage", str(one_model.root))
+    assert result.returncode == 1
+    assert "release 1 is already production; nothing changed" in result.stderr
+    assert "->" not in result.stdout
+    assert not (one_model.model_dir("my-model") / "traffic.json").exists()  # no history event
+
+
+def test_a_failed_acquire_leaves_nothing_behind(tmp_path: Path) -> None:
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("no weights here")
+    storage = tmp_path / "data"
+    result = run_cli("acquire", str(folder), "--storage", str(storage))
+    assert result.returncode == 1 and "not a model folder" in result.stderr
+    assert list((storage / "models").iterdir()) == []  # no .base.lock, no empty model folder

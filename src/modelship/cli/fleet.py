@@ -216,7 +216,17 @@ def status(
         plan = read_traffic(store, slug)
     except (PipelineError, StorageError) as exc:
         fail(str(exc), exit_code(exc))
-    console.print(f"production: release {store.production_release(slug)}")
+    production = store.production_release(slug)
+    if production is None:
+        releases = ", ".join(map(str, store.releases(slug)))
+        fix = (
+            f"releases: {releases}; `modelship rollback --to N` makes one production"
+            if releases
+            else f"{slug} has no release yet: `modelship select` publishes one"
+        )
+        console.print(f"production: none ({fix})")
+    else:
+        console.print(f"production: release {production}")
     if plan.canary is None:
         console.print("canary: none")
     else:

@@ -224,7 +224,7 @@ def status(
                 step["state"],
                 str(step["attempts"]),
                 seconds,
-                str(facts.get("memoized", "")),
+                {True: "yes", False: "no"}.get(facts.get("memoized"), ""),
                 str(detail),
             )
         console.print(table)

@@ -181,3 +181,21 @@ def test_a_failed_acquire_leaves_nothing_behind(tmp_path: Path) -> None:
     result = run_cli("acquire", str(folder), "--storage", str(storage))
     assert result.returncode == 1 and "not a model folder" in result.stderr
     assert list((storage / "models").iterdir()) == []  # no .base.lock, no empty model folder
+
+
+def test_steps_missing_before_a_command_are_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    storage = Storage(tmp_path)
+    publish_release(storage, "released-only", tiny_llama_dir, "fp16")  # no base to optimize
+    optimize = run_cli("optimize", "--storage", str(tmp_path))
+    assert optimize.returncode == 1
+    assert "released-only has no base model" in optimize.stderr
+    assert "modelship acquire SOURCE --name released-only" in optimize.stderr
+
+    acquire(str(tiny_llama_dir), storage, name="base-only")  # nothing to serve
+    up = run_cli("up", "--storage", str(tmp_path), "--model", "base-only")
+    assert up.returncode == 1
+    assert "base-only has no production release" in up.stderr
+    assert "modelship optimize --model base-only" in up.stderr
+
+    verify = run_cli("verify", str(tmp_path / "nowhere"))
+    assert verify.returncode == 1 and "no such folder" in verify.stderr

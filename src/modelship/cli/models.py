@@ -71,10 +71,16 @@ def list_models(
             ", ".join(row.variants) or "-",
             ", ".join(map(str, row.releases)) or "-",
             production,
-            "-" if row.size_mb is None else f"{row.size_mb:.0f} MB",
+            _size(row.size_mb),
             row.serving or "-",
         )
     console.print(table)
+
+
+def _size(size_mb: float | None) -> str:
+    if size_mb is None:
+        return "-"
+    return f"{size_mb / 1000:.1f} GB" if size_mb >= 1000 else f"{size_mb:.1f} MB"
 
 
 def model_row(storage: Storage, slug: str) -> ModelRow:

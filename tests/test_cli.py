@@ -110,3 +110,23 @@ def test_configuration_errors_exit_2_in_every_command_group(args, tmp_path: Path
     assert result.returncode == 2, result.stdout + result.stderr
     assert "error" in result.stderr.lower()
     assert "Traceback" not in result.stderr
+
+
+def test_a_device_the_engine_does_not_take_is_one_line(tiny_llama_dir: Path) -> None:
+    result = run_cli("serve", str(tiny_llama_dir), "--device", "gpu")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --device: device must be cpu, cuda or cuda:N, got 'gpu' (a GPU is `cuda`)"
+    ]
+
+
+def test_a_device_this_torch_cannot_use_is_one_line(tiny_llama_dir: Path) -> None:
+    import torch
+
+    # A CPU build: CUDA at all; a CUDA build: a device index past the last one.
+    device = "cuda" if torch.version.cuda is None else "cuda:99"
+    result = run_cli("serve", str(tiny_llama_dir), "--device", device)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --device {device}: ")
+    assert "--device cpu" in line or "visible" in line

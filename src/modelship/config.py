@@ -6,8 +6,9 @@ are errors, and every error names the field it is about (`select.weights.speed: 
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -165,9 +166,47 @@ class ModelshipConfig(Section):
 
 
 def format_errors(exc: ValidationError, origin: str) -> str:
+    """One line per error, naming the field; an unknown key gets the nearest known one."""
     lines = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "(top level)"
         message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = unknown_key_message(error["loc"], message)
         lines.append(f"{origin}: {field}: {message}")
     return "\n".join(lines)
+
+
+def unknown_key_message(loc: tuple, message: str) -> str:
+    """`message` with "did you mean `select`?" where a known key of the same section is
+    close to the unknown one (`selct`)."""
+    known = _keys_at(ModelshipConfig, loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"{message}; did you mean `{close[0]}`?"
+    return f"{message} (known keys here: {', '.join(known)})" if known else message
+
+
+def _keys_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys of the section of `model` at `loc` (list indexes and mapping keys
+    skipped), or [] where no section of known keys is there."""
+    current: type[BaseModel] | None = model
+    for part in loc:
+        if current is None:
+            return []
+        field = current.model_fields.get(str(part))
+        if field is None:
+            continue  # a list index or a mapping's key: the section below is the same model's
+        current = _model_in(field.annotation)
+    return list(current.model_fields) if current is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (itself, or inside Optional, list, dict)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None

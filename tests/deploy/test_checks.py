@@ -118,6 +118,17 @@ def test_every_claim_and_config_map_must_be_in_the_render(objects: list[dict]) -
     assert any("ConfigMap 'missing' is not in the render" in m for m in messages)
 
 
+def test_config_and_serve_device_must_be_what_the_engine_takes(objects: list[dict]) -> None:
+    args = container(objects)["args"]
+    args[args.index("--device") + 1] = "gpu"
+    config_map = one(objects, "ConfigMap", f"{NAME}-config")
+    config_map["data"]["pipeline.yaml"] += "serve:\n  engine:\n    device: gpu\n"
+    errors = {error.object: error for error in check_objects(objects)}
+    assert errors[f"Deployment/{NAME}-engine"].path.endswith("containers[0].args")
+    assert "got 'gpu'" in errors[f"Deployment/{NAME}-engine"].message
+    assert "serve.engine.device" in errors[f"ConfigMap/{NAME}-config"].message
+
+
 def test_mounts_need_a_volume(objects: list[dict]) -> None:
     container(objects)["volumeMounts"].append({"name": "scratch", "mountPath": "/scratch"})
     [error] = check_objects(objects)

@@ -116,3 +116,26 @@ def test_validate_fails_on_a_broken_render(tmp_path: Path, schema_dir: Path) -> 
     result = invoke("validate", out, "--schemas", schema_dir)
     assert result.exit_code == 1
     assert "readynessProbe" in result.output and "1 errors" in result.output
+
+
+def test_a_device_the_engine_does_not_take_fails_render(tmp_path: Path) -> None:
+    config = tmp_path / "pipeline.yaml"
+    config.write_text("serve:\n  engine:\n    device: gpu\n")
+    result = invoke("render", "--config", config, "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "serve.engine.device: device must be cpu, cuda or cuda:N, got 'gpu'" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_fails_on_a_device_the_engine_does_not_take(
+    tmp_path: Path, schema_dir: Path
+) -> None:
+    out = tmp_path / "out"
+    assert invoke("render", "--out", out).exit_code == 0
+    serving = out / "serving.yaml"
+    serving.write_text(
+        serving.read_text().replace("- --device\n        - cpu", "- --device\n        - gpu", 1)
+    )
+    result = invoke("validate", out, "--schemas", schema_dir)
+    assert result.exit_code == 1
+    assert "args: device must be cpu, cuda or cuda:N, got 'gpu'" in result.output

@@ -343,6 +343,7 @@ def test_config_map_holds_a_loadable_pipeline_yaml_without_the_key() -> None:
     loaded = ModelshipConfig.from_dict(yaml.safe_load(config_map["data"]["pipeline.yaml"]))
 
     assert str(loaded.storage) == "/data"
+    assert loaded.name == NAME  # the stages act on this model, never a guess from the PVC
     assert loaded.serve.port == 8001 and loaded.serve.api_key is None
     secret = one(objects, "Secret")
     assert secret["stringData"] == {"api-key": "sk-secret"}

@@ -49,9 +49,9 @@ def test_the_ledger_sums_per_tenant_since_a_time(tmp_path: Path) -> None:
     rows = summarize(read_usage(tmp_path, since))
     assert rows == [
         {"tenant": "a", "model": "m", "variant": "gptq", "requests": 2, "input_tokens": 50,
-         "output_tokens": 25, "cost": 1.0, "unpriced_requests": 1},
+         "output_tokens": 25, "cost": 1.0, "unpriced_requests": 1, "refused_requests": 0},
         {"tenant": "b", "model": "m", "variant": "gptq", "requests": 1, "input_tokens": 1,
-         "output_tokens": 1, "cost": 0.25, "unpriced_requests": 0},
+         "output_tokens": 1, "cost": 0.25, "unpriced_requests": 0, "refused_requests": 0},
     ]  # fmt: skip
     everything = summarize(read_usage(tmp_path, since - dt.timedelta(days=2)))
     assert everything[0]["requests"] == 3 and everything[0]["cost"] == pytest.approx(1.5)

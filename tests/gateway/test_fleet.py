@@ -4,6 +4,8 @@ driven through the openai SDK."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -113,6 +115,16 @@ def test_unknown_or_missing_key_is_401(fleet: UpProcess):
     response = httpx.post(f"{fleet.url}/v1/chat/completions", json={"model": SLUG}, timeout=10)
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_list_shows_what_up_serves(fleet: UpProcess):
+    result = subprocess.run(
+        [sys.executable, "-m", "modelship", "list", "--json", "--storage", str(fleet.storage)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    [row] = json.loads(result.stdout)
+    assert (row["model"], row["production"], row["production_variant"]) == (SLUG, 1, "fp16")
+    assert row["serving"].startswith(f"http://127.0.0.1:{fleet.port}/v1 (pid ")
 
 
 def test_tenant_limits(fleet: UpProcess):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +64,39 @@ def test_failed_writer_leaves_nothing(tmp_path: Path) -> None:
         (staging / "half.bin").write_bytes(b"half")
         raise RuntimeError("writer failed")
     assert not artifact.exists()
-    assert sorted(p.name for p in artifact.parent.iterdir()) == [".base.lock"]
+    assert not artifact.parent.exists()  # nor its lock file, nor the model folder made for it
+
+
+def test_a_waiter_behind_a_failed_first_writer_takes_a_fresh_lock(tmp_path: Path) -> None:
+    """The failed writer removes the lock file the waiter is blocked on; the waiter must not
+    hold that removed file's lock while a third writer locks a new file at the same path."""
+    storage = Storage(tmp_path)
+    artifact = storage.base_dir("m")
+    lock_path = artifact.with_name(".base.lock")
+    first_holds, waiter_holds = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        first_holds.wait()
+        with storage.lock(artifact):
+            waiter_holds.set()
+            time.sleep(0.2)
+            with storage.publish(
+                artifact, kind="t", source="s", revision=None, inputs_hash="x"
+            ) as staging:
+                (staging / "w.bin").write_bytes(b"w")
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    with pytest.raises(RuntimeError), storage.lock(artifact):
+        first_holds.set()
+        time.sleep(0.3)  # the waiter blocks on this lock meanwhile
+        raise RuntimeError("first writer failed")
+    assert waiter_holds.wait(30)
+    # A third writer must wait for the waiter: a non-blocking try on the path's file fails.
+    with open(lock_path, "a") as handle, pytest.raises(BlockingIOError):
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    thread.join(30)
+    assert (artifact / "w.bin").read_bytes() == b"w"
 
 
 WRITER = textwrap.dedent(

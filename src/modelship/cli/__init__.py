@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from modelship.cli import deploy, fleet, pipeline, serve
+from modelship.cli import deploy, fleet, models, pipeline, serve
 
 app = typer.Typer(
     help="modelship: from a model name to a fast, OpenAI-compatible production API.",
@@ -16,7 +16,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for group in (pipeline.app, serve.app, fleet.app):
+for group in (pipeline.app, models.app, serve.app, fleet.app):
     app.registered_commands += group.registered_commands
 app.add_typer(fleet.release_app, name="release")
 app.add_typer(deploy.deploy_app, name="deploy")

@@ -1,8 +1,6 @@
 """What every command group shares: consoles, failing with an exit code, options, config.
 
-Exit codes, the same for every command: 0 done, 1 failed, 2 bad configuration or usage
-(a broken pipeline.yaml, an impossible combination of options), 75 a transient failure
-worth retrying (EX_TEMPFAIL: the Argo Workflow retries on it).
+Exit codes are defined once, in `modelship.cli.exit_codes` (the table README cites).
 """
 
 from __future__ import annotations
@@ -15,15 +13,16 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
+from modelship.cli.exit_codes import ExitCode
 from modelship.pipeline.errors import PipelineError
 from modelship.storage import STORAGE_ENV, Storage
 
 console = Console()
 err_console = Console(stderr=True)
 
-FAILURE_EXIT_CODE = 1
-CONFIG_EXIT_CODE = 2
-TRANSIENT_EXIT_CODE = 75
+FAILURE_EXIT_CODE = ExitCode.FAILURE
+CONFIG_EXIT_CODE = ExitCode.USAGE
+TRANSIENT_EXIT_CODE = ExitCode.TRANSIENT
 
 
 def exit_code(exc: Exception) -> int:
@@ -90,17 +89,19 @@ def load_config(path: Path | None, **overrides):
 
 
 def model_context(config_path: Path | None, storage: Path | None, model: str | None):
-    """The config (with a `--storage` override), its storage root and the model's slug."""
-    from modelship.pipeline.run import model_slug
+    """The config (with a `--storage` override), its storage and the slug of the model the
+    command acts on (`model_choice.choose_model`); no model to act on exits 1 or 2."""
+    from modelship.cli.model_choice import ModelChoiceError, choose_model
 
     config = load_config(config_path, storage=storage)
-    if model:
-        return config, Storage(config.storage), model
+    store = Storage(config.storage)
     try:
-        slug = model_slug(config)
-    except PipelineError as exc:
+        slug = choose_model(config, store, model)
+    except ModelChoiceError as exc:
+        fail(str(exc), exc.code)
+    except PipelineError as exc:  # the config's source cannot be resolved
         fail(f"{exc} (pass --model SLUG to name an acquired model)")
-    return config, Storage(config.storage), slug
+    return config, store, slug
 
 
 def serve_fleet(
@@ -119,8 +120,14 @@ def serve_fleet(
     setup_logging(config.log_format)
     host = host or config.gateway.host
     port = port or config.gateway.port
+    from modelship.fleet.serving_record import clear_serving, write_serving
+
+    url = f"http://{host}:{port}/v1"
     console.print(
-        f"[green]serving[/] {fleet.served_model_name} at http://{host}:{port}/v1 "
-        f"(replica logs: {fleet.log_dir})"
+        f"[green]serving[/] {fleet.served_model_name} at {url} (replica logs: {fleet.log_dir})"
     )
-    run_gateway(fleet.app(), fleet.service, host, port, config.serve.grace_period_s)
+    write_serving(storage, slug, url)  # what `modelship list` shows as serving
+    try:
+        run_gateway(fleet.app(), fleet.service, host, port, config.serve.grace_period_s)
+    finally:
+        clear_serving(storage, slug)

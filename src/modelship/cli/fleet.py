@@ -157,23 +157,40 @@ def usage(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    currency = config.gateway.cost.currency
-    table = Table(
-        "tenant", "model", "variant", "requests", "input tokens", "output tokens",
-        f"cost ({currency})", title=f"usage of {slug} since {start.isoformat(timespec='seconds')}",
-    )  # fmt: skip
-    for row in rows:
-        cost = f"{row['cost']:.4f}"
-        if row["unpriced_requests"]:
-            cost += f" ({row['unpriced_requests']} unpriced)"
-        table.add_row(
-            row["tenant"], row["model"], row["variant"], str(row["requests"]),
-            str(row["input_tokens"]), str(row["output_tokens"]), cost,
-        )  # fmt: skip
     if not rows:
         console.print(f"no requests since {start.isoformat(timespec='seconds')}")
         return
+    currency = config.gateway.cost.currency
+    table = Table(
+        "tenant", "model", "variant", "requests", "refused", "input tokens", "output tokens",
+        f"cost ({currency})", title=f"usage of {slug} since {start.isoformat(timespec='seconds')}",
+    )  # fmt: skip
+    for row in rows:
+        table.add_row(
+            row["tenant"], "(not served)" if row["model"] == "unknown" else row["model"],
+            row["variant"], str(row["requests"]), str(row["refused_requests"]),
+            str(row["input_tokens"]), str(row["output_tokens"]), _cost_cell(row),
+        )  # fmt: skip
     console.print(table)
+    unpriced = sorted({row["variant"] for row in rows if row["unpriced_requests"]})
+    if unpriced:
+        console.print(
+            f"unpriced variants: {', '.join(unpriced)}; prices come from pipeline.yaml's "
+            "gateway.cost (variants.NAME.input_per_1k/output_per_1k, or replica_hour to "
+            "derive them from select's measurements)",
+            markup=False, highlight=False,
+        )  # fmt: skip
+    if any(row["refused_requests"] for row in rows):
+        console.print("refused requests are counted, never billed: their tokens are not recorded")
+
+
+def _cost_cell(row: dict) -> str:
+    """The priced requests' cost; requests to a variant with no price are named, not 0."""
+    unpriced, requests = row["unpriced_requests"], row["requests"]
+    if unpriced == requests:
+        return "unpriced"
+    cost = f"{row['cost']:.4f}"
+    return cost + (f" + {unpriced} unpriced" if unpriced else "")
 
 
 @release_app.command("canary")
@@ -241,7 +258,17 @@ def status(
         plan = read_traffic(store, slug)
     except (PipelineError, StorageError) as exc:
         fail(str(exc), exit_code(exc))
-    console.print(f"production: release {store.production_release(slug)}")
+    production = store.production_release(slug)
+    if production is None:
+        releases = ", ".join(map(str, store.releases(slug)))
+        fix = (
+            f"releases: {releases}; `modelship rollback --to N` makes one production"
+            if releases
+            else f"{slug} has no release yet: `modelship select` publishes one"
+        )
+        console.print(f"production: none ({fix})")
+    else:
+        console.print(f"production: release {production}")
     if plan.canary is None:
         console.print("canary: none")
     else:

@@ -21,7 +21,7 @@ from modelship.cli.common import (
 )
 from modelship.pipeline.errors import PipelineError
 from modelship.progress import make_progress
-from modelship.storage import STORAGE_ENV, Storage, StorageError
+from modelship.storage import MANIFEST_NAME, STORAGE_ENV, Storage, StorageError
 
 app = typer.Typer()
 
@@ -78,6 +78,8 @@ def verify(
     """Check an artifact folder against its manifest."""
     from modelship.storage import verify_artifact
 
+    if not artifact.is_dir():
+        fail(f"{artifact}: no such folder (an artifact is a folder like STORAGE/models/SLUG/base)")
     if rebuild:
         _verify_rebuild(artifact)
         return
@@ -125,6 +127,9 @@ def optimize(
     from modelship.pipeline.optimize import optimize as run_optimize
 
     config, store, slug = model_context(config_path, storage, model)
+    if not (store.base_dir(slug) / MANIFEST_NAME).is_file():
+        fail(f"{slug} has no base model under {store.root} to optimize "
+             f"(`modelship acquire SOURCE --name {slug}` first)")  # fmt: skip
     variants = variant or config.optimize.variants
     try:
         results = run_optimize(
@@ -224,7 +229,7 @@ def status(
                 step["state"],
                 str(step["attempts"]),
                 seconds,
-                str(facts.get("memoized", "")),
+                {True: "yes", False: "no"}.get(facts.get("memoized"), ""),
                 str(detail),
             )
         console.print(table)

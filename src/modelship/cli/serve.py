@@ -73,6 +73,7 @@ def serve(
     from modelship.server.limits import RequestLimitsConfig
 
     options = serve_options(model_dir, flags)
+    check_device_usable(options.engine.device)
     setup_logging(options.log_format)
     code = run_server(
         model_dir,
@@ -134,6 +135,15 @@ def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:
         fail("\n".join(lines), CONFIG_EXIT_CODE)
     except (PipelineError, ValueError) as exc:  # not a model folder, or a bad option
         fail(str(exc), CONFIG_EXIT_CODE)
+
+
+def check_device_usable(device: str) -> None:
+    """Exit 2 with the fix, before the model loads, where this torch cannot run `device`."""
+    from modelship.engine.devices import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:
+        fail(problem, CONFIG_EXIT_CODE)
 
 
 def manifest_variant(model_dir: Path) -> str:

@@ -9,9 +9,12 @@ rendered objects and returns the problems found, never raising, so a test sees t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import yaml
 
 from modelship.deploy.quantity import QuantityError, parse_quantity
 
@@ -258,6 +261,38 @@ def check_service_ports(objects: list[Json]) -> list[CheckError]:
     return errors
 
 
+def check_configs(objects: list[Json]) -> list[CheckError]:
+    """A ConfigMap's pipeline.yaml loads as a config, and every `modelship serve` container
+    names a device the engine takes (a hand-edited render fails here, not in the pod)."""
+    from modelship.config import ConfigError, ModelshipConfig
+    from modelship.deploy.names import CONFIG_FILE
+    from modelship.engine.devices import check_device_name
+
+    errors = []
+    for obj in _by_kind(objects, "ConfigMap"):
+        text = (obj.get("data") or {}).get(CONFIG_FILE)
+        if text is None:
+            continue
+        try:
+            ModelshipConfig.from_dict(yaml.safe_load(text) or {}, CONFIG_FILE)
+        except (ConfigError, yaml.YAMLError) as exc:
+            errors.append(CheckError(object_id(obj), f"data.{CONFIG_FILE}", str(exc)))
+    for obj in objects:
+        for view in pod_views(obj):
+            for where, container in containers(view):
+                args = container.get("args") or []
+                if container.get("command") != ["modelship"] or args[:1] != ["serve"]:
+                    continue
+                for flag, value in itertools.pairwise(args):
+                    if flag != "--device":
+                        continue
+                    try:
+                        check_device_name(value)
+                    except ValueError as exc:
+                        errors.append(CheckError(view.owner, f"{where}.args", str(exc)))
+    return errors
+
+
 CHECKS: tuple[Callable[[list[Json]], list[CheckError]], ...] = (
     check_selectors,
     check_quantities,
@@ -266,6 +301,7 @@ CHECKS: tuple[Callable[[list[Json]], list[CheckError]], ...] = (
     check_probe_ports,
     check_scale_targets,
     check_service_ports,
+    check_configs,
 )
 
 

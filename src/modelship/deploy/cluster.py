@@ -57,6 +57,9 @@ def pipeline_yaml(ctx: RenderContext) -> str:
     """
     data = ctx.config.model_dump(mode="json", exclude_unset=True)
     data["storage"] = DATA_ROOT
+    # The stages act on the model the config names, never on a guess from the PVC's
+    # contents (`cli/model_choice.py`): the one the workflow's acquire step writes.
+    data.setdefault("name", ctx.slug)
     serve = data.get("serve")
     if isinstance(serve, dict):
         serve.pop("api_key", None)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from modelship.engine.devices import check_device_name
 from modelship.flags import Flag, flag_args
 
 
@@ -100,6 +101,11 @@ class EngineOptions(BaseModel):
         description="Draft model folder (a smaller model of the same tokenizer) for "
         "speculative decoding; needs --num-speculative-tokens. Without it: prompt lookup.",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        return check_device_name(device)
 
     @model_validator(mode="after")
     def _draft_needs_tokens(self) -> EngineOptions:

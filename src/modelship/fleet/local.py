@@ -48,8 +48,8 @@ class LocalFleet:
     ) -> None:
         if storage.production_release(slug) is None:
             raise PipelineError(
-                f"{slug} has no production release under {storage.root}; "
-                "run `modelship run` (or `modelship select`) first"
+                f"{slug} has no production release under {storage.root}; `modelship "
+                f"optimize --model {slug}` then `select` make one (`modelship run SOURCE`: all)"
             )
         self.config = config
         self.storage = storage

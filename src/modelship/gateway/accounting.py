@@ -67,6 +67,10 @@ class RequestHold:
             return
         self.ended = True
         abandoned = usage is None and self.num_output_if_abandoned > 0
+        # Refused (an error status, no usage counted, nothing generated): the quota is
+        # charged the estimate as before, but no tokens are recorded as used or billed. A
+        # client's hang-up (499) is no refusal: a replica may have read its prompt.
+        refused = usage is None and not abandoned and status_code >= 400 and status_code != 499
         if usage is None:
             usage = Usage(self.input_tokens, self.num_output_if_abandoned)
         num_used = usage.prompt_tokens + usage.completion_tokens
@@ -87,6 +91,8 @@ class RequestHold:
         # would be a new series, or a /metrics page that cannot be encoded.
         known = self.upstream is not None and status_code < 400
         model = self.model if known else "unknown"
+        if refused:
+            usage = Usage(0, 0)
         metrics.tokens.labels(name, model, variant, "input").inc(usage.prompt_tokens)
         metrics.tokens.labels(name, model, variant, "output").inc(usage.completion_tokens)
         price = accounting.prices.get(variant)

@@ -149,15 +149,19 @@ def read_usage(folder: Path, since: dt.datetime) -> Iterator[UsageRecord]:
 
 
 def summarize(records: Iterable[UsageRecord]) -> list[dict[str, Any]]:
-    """Totals per (tenant, model, variant), sorted by cost then tokens, largest first."""
+    """Totals per (tenant, model, variant), sorted by cost then tokens, largest first;
+    `refused_requests` ended with an error status (the gateway records no tokens for those
+    no replica counted: `accounting.RequestHold.end`)."""
     totals: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in records:
         row = totals.setdefault(
             (r.tenant, r.model, r.variant),
             {"tenant": r.tenant, "model": r.model, "variant": r.variant, "requests": 0,
-             "input_tokens": 0, "output_tokens": 0, "cost": 0.0, "unpriced_requests": 0},
+             "input_tokens": 0, "output_tokens": 0, "cost": 0.0, "unpriced_requests": 0,
+             "refused_requests": 0},
         )  # fmt: skip
         row["requests"] += 1
+        row["refused_requests"] += r.status >= 400
         row["input_tokens"] += r.input_tokens
         row["output_tokens"] += r.output_tokens
         if r.cost is None:

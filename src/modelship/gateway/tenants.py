@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -93,6 +93,23 @@ class TenantConfig(BaseModel):
     # Tiers this tenant's clients may name (`x-modelship-tier`) even when dearer than the
     # one its tier rules and brown-out give it; any client may name a cheaper one.
     may_request_tiers: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _digest_not_key(cls, data: object) -> object:
+        """A tenant written with `api_key:` (or no key) gets how to make the digest, as one
+        error instead of "Field required" beside "Extra inputs"."""
+        if isinstance(data, dict) and "api_key_sha256" not in data:
+            what = (
+                "api_key: a tenant takes its key's sha256"
+                if "api_key" in data
+                else ("api_key_sha256 is required: a tenant takes its key's sha256")
+            )
+            raise ValueError(
+                f"{what}, never the key (pipeline.yaml is read by many): write "
+                "api_key_sha256: <the output of `printf %s \"$KEY\" | sha256sum | cut -d' ' -f1`>"
+            )
+        return data
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod

@@ -78,7 +78,7 @@ def start_canary(storage: Storage, slug: str, release: int, weight: int) -> Traf
         raise PipelineError(f"--weight must be between 1 and 99 (percent), got {weight}")
     releases = storage.releases(slug)
     if release not in releases:
-        raise PipelineError(f"release {release} does not exist (releases: {releases or 'none'})")
+        raise PipelineError(f"release {release} does not exist (releases: {_listed(releases)})")
     production = storage.production_release(slug)
     if production is None:
         raise PipelineError(f"{slug} has no production release to compare a canary with")
@@ -100,20 +100,35 @@ def promote_canary(storage: Storage, slug: str) -> tuple[int | None, int]:
 
 
 def rollback(storage: Storage, slug: str, to: int | None = None) -> tuple[int | None, int]:
-    """Point production at release `to` (default: the newest one before the current)."""
+    """Point production at release `to` (default: the newest one before the current).
+    Refuses, changing nothing, where there is nothing to roll back to or `to` is production
+    already."""
     current = storage.production_release(slug)
     releases = storage.releases(slug)
+    if not releases:
+        raise PipelineError(f"{slug} has no release yet (`modelship select` publishes one)")
     if to is None:
-        older = [n for n in releases if current is None or n < current]
+        if current is None:
+            raise PipelineError(
+                f"{slug} has no production release to roll back from; name one: "
+                f"`modelship rollback --to N` (releases: {_listed(releases)})"
+            )
+        older = [n for n in releases if n < current]
         if not older:
             raise PipelineError(
-                f"no release before {current} to roll back to (releases: {releases or 'none'})"
+                f"no release before {current} to roll back to (releases: {_listed(releases)})"
             )
         to = older[-1]
     if to not in releases:
-        raise PipelineError(f"release {to} does not exist (releases: {releases or 'none'})")
+        raise PipelineError(f"release {to} does not exist (releases: {_listed(releases)})")
+    if to == current:
+        raise PipelineError(f"release {to} is already production; nothing changed")
     storage.set_production(slug, to)
     return current, to
+
+
+def _listed(releases: list[int]) -> str:
+    return ", ".join(map(str, releases)) or "none"
 
 
 def record_event(storage: Storage, slug: str, event: dict[str, Any]) -> None:
@@ -139,7 +154,7 @@ def release_record(storage: Storage, slug: str, release: int) -> dict[str, Any]:
     promotions, each with who and when."""
     releases = storage.releases(slug)
     if release not in releases:
-        raise PipelineError(f"release {release} does not exist (releases: {releases or 'none'})")
+        raise PipelineError(f"release {release} does not exist (releases: {_listed(releases)})")
     path = storage.release_dir(slug, release) / PROVENANCE_FILE
     try:
         record = json.loads(path.read_text())

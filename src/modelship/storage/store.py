@@ -16,6 +16,7 @@ never arrived is renamed back, then leftover staging and old folders are removed
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -86,6 +87,19 @@ class Storage:
         """Caches that are not artifacts (e.g. the Hub download cache), kept under the root."""
         return self.root / "cache" / name
 
+    def models(self) -> list[str]:
+        """The slugs of the models under the root, sorted: folders under models/ holding a
+        base, a variant or a release (a failed first acquire leaves none of them)."""
+        folder = self.root / "models"
+        if not folder.is_dir():
+            return []
+        held = ("base", "optimized", "releases")
+        return sorted(
+            p.name
+            for p in folder.iterdir()
+            if _SLUG_RE.match(p.name) and any((p / name).exists() for name in held)
+        )
+
     def releases(self, slug: str) -> list[int]:
         folder = self.model_dir(slug) / "releases"
         if not folder.is_dir():
@@ -111,16 +125,26 @@ class Storage:
     # Writing ------------------------------------------------------------------------------
     @contextmanager
     def lock(self, artifact: Path) -> Iterator[None]:
-        """Hold an exclusive lock on `artifact` (blocks until other writers are done)."""
-        artifact.parent.mkdir(parents=True, exist_ok=True)
+        """Hold an exclusive lock on `artifact` (blocks until other writers are done).
+
+        A writer that fails before anything was ever published there removes the lock file
+        (and the folder made for it, if left empty), so a failed first acquire leaves no
+        trace; a waiter that then holds the removed file's lock takes a fresh one instead.
+        """
         lock_path = artifact.with_name(f".{artifact.name}.lock")
-        with open(lock_path, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                _recover_dead_writer(artifact)
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        handle = _locked(lock_path)
+        try:
+            _recover_dead_writer(artifact)
+            yield
+        except BaseException:
+            if not artifact.exists():
+                lock_path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # not empty: other artifacts live there
+                    artifact.parent.rmdir()
+            raise
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
     @contextmanager
     def publish(
@@ -159,6 +183,24 @@ class Storage:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def _locked(lock_path: Path):
+    """An open handle holding the exclusive lock of the file now at `lock_path`."""
+    while True:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            handle = open(lock_path, "a")  # noqa: SIM115 (held past this function)
+        except FileNotFoundError:  # the folder went with a failed writer's lock: again
+            continue
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return handle
+        except FileNotFoundError:  # removed by a failed writer while this one waited
+            pass
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def _swap_into_place(staging: Path, artifact: Path) -> None:

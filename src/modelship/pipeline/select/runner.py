@@ -44,6 +44,7 @@ from modelship.release import golden
 from modelship.release.provenance import PROVENANCE_FILE
 from modelship.serve_options import ServeOptions
 from modelship.storage import (
+    MANIFEST_NAME,
     ArtifactNotFoundError,
     Storage,
     StorageError,
@@ -105,6 +106,12 @@ def select(
 ) -> SelectionResult:
     started = time.perf_counter()
     variants = list(variants or config.optimize.variants)
+    optimized = storage.model_dir(slug) / "optimized"
+    if not any((optimized / v / MANIFEST_NAME).is_file() for v in variants):
+        raise PipelineError(
+            f"nothing to select from: no variant of {slug} is optimized yet "
+            f"({', '.join(variants)} missing under {optimized}); run `modelship optimize` first"
+        )
     settings = measurement_settings(config)
     evaluations_dir = storage.evaluations_dir(slug)
     evaluations: dict[str, dict[str, Any]] = {}

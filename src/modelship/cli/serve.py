@@ -15,6 +15,7 @@ import typer
 
 from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
+from modelship.cli.serve_help import PanelledCommand, flag_metavar
 from modelship.flags import FlagSpec, flag_specs, unwrap_optional, values_from_params
 from modelship.pipeline.errors import PipelineError
 from modelship.serve_options import ServeOptions
@@ -24,6 +25,33 @@ app = typer.Typer()
 
 # The flags ServeOptions' fields make (name, default, help), after serve's own below.
 FLAGS = flag_specs(ServeOptions)
+
+# `serve --help` groups its flags in these panels, in this order.
+MODEL_PANEL, SERVER_PANEL = "Model", "Server"
+ENGINE_PANEL, SCHEDULING_PANEL, SPECULATIVE_PANEL = "Engine", "Scheduling", "Speculative decoding"
+LORA_PANEL, LIMITS_PANEL, OBSERVABILITY_PANEL = "LoRA", "Limits", "Observability"
+_PANELS = {
+    **dict.fromkeys(("served_model_name", "variant", "tool_call_parser", "reasoning_parser"),
+                    MODEL_PANEL),
+    **dict.fromkeys(("grace_period", "stall_timeout", "engine_core"), SERVER_PANEL),
+    **dict.fromkeys(("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "max_waiting_requests"), SCHEDULING_PANEL),
+    **dict.fromkeys(("num_speculative_tokens", "speculative_by_default",
+                     "speculative_max_batch_size", "speculative_draft_token_cost",
+                     "speculative_model"), SPECULATIVE_PANEL),
+    **dict.fromkeys(("lora", "max_loras", "enable_lora_admin"), LORA_PANEL),
+    **dict.fromkeys(("max_n", "max_stop", "max_stop_chars", "max_prompts", "max_body_mb"),
+                    LIMITS_PANEL),
+    "log_format": OBSERVABILITY_PANEL,
+}  # fmt: skip
+
+
+def panel(spec: FlagSpec) -> str:
+    """The help panel of a generated flag: listed above, else by the section it is in
+    (tracing's flags under observability, the other engine options under engine)."""
+    if spec.param in _PANELS:
+        return _PANELS[spec.param]
+    return {"tracing": OBSERVABILITY_PANEL, "engine": ENGINE_PANEL}.get(spec.path[0], SERVER_PANEL)
 
 
 def _option(spec: FlagSpec) -> inspect.Parameter:
@@ -39,29 +67,51 @@ def _option(spec: FlagSpec) -> inspect.Parameter:
         annotation = kind | None if nullable else kind
         value = spec.none_as if default is None else default
         default = None if value is None else kind(value)
-    option = typer.Option(help=spec.help, min=spec.minimum, max=spec.maximum)
+    option = typer.Option(
+        help=spec.help,
+        min=spec.minimum,
+        max=spec.maximum,
+        metavar=flag_metavar(spec),
+        rich_help_panel=panel(spec),
+    )
     kind = inspect.Parameter.KEYWORD_ONLY
     return inspect.Parameter(spec.param, kind, annotation=Annotated[annotation, option],
                              default=default)  # fmt: skip
 
 
 def serve(
-    model_dir: Annotated[Path, typer.Argument(help="An HF model folder (base, variant, release).")],
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    model_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="MODEL_DIR",
+            help="An HF model folder (base, variant, release).",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ],
+    host: Annotated[
+        str,
+        typer.Option(metavar="HOST", help="Interface to listen on.", rich_help_panel=SERVER_PANEL),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(metavar="PORT", help="TCP port.", rich_help_panel=SERVER_PANEL)
+    ] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(
             envvar="MODELSHIP_API_KEY",
+            metavar="KEY",
             help="Require this bearer key. Prefer the environment variable: every user "
             "can read a command line (ps).",
+            rich_help_panel=SERVER_PANEL,
         ),
     ] = None,
     fd: Annotated[
         int | None,
         typer.Option(
+            metavar="FD",
             help="Listen on this inherited, already bound socket instead of --host/--port "
-            "(a parent process that chose the port hands it over without a race)."
+            "(a parent process that chose the port hands it over without a race).",
+            rich_help_panel=SERVER_PANEL,
         ),
     ] = None,
     **flags: Any,
@@ -106,7 +156,7 @@ def serve(
 # ServeOptions field in place of `**flags` (which receives them by name).
 _own = list(inspect.signature(serve, eval_str=True).parameters.values())[:-1]
 serve.__signature__ = inspect.Signature([*_own, *map(_option, FLAGS)])  # type: ignore[attr-defined]
-app.command()(serve)
+app.command(cls=PanelledCommand)(serve)
 
 
 def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:

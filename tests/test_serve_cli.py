@@ -1,16 +1,20 @@
-"""`modelship serve` as a vLLM user reaches for it: a help that reads at 80 columns. Real
-subprocesses."""
+"""`modelship serve` as a vLLM user reaches for it: the port checked before the model loads,
+and a help that reads at 80 columns. Real subprocesses."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import typer
 
 from modelship.cli import app as cli_app
+from modelship.cli.serve import PORT_IN_USE_EXIT_CODE
 
 
 def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
@@ -21,6 +25,31 @@ def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedP
         timeout=120,
         env={**os.environ, "COLUMNS": str(columns), **env},
     )
+
+
+# The port -------------------------------------------------------------------------------------
+def test_a_port_out_of_range_is_refused(tiny_llama_dir: Path) -> None:
+    result = run_cli("serve", str(tiny_llama_dir), "--port", "70000")
+    assert result.returncode == 2
+    assert "--port" in result.stderr and "65535" in result.stderr
+
+
+def test_a_busy_port_fails_before_the_model_loads(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # Weights that cannot load: a server that loaded the model before binding fails on them.
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"\0" * 64)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", str(broken), "--port", str(port))
+    assert result.returncode == PORT_IN_USE_EXIT_CODE, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: 127.0.0.1:{port} is in use: stop what listens there or pass --port with a "
+        "free port"
+    ]
 
 
 # Help -----------------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
 Its flags, but for the folder, the address, the inherited socket and the key, are
 generated from `ServeOptions`' fields (`modelship.flags`): a field is a flag, with the
-field's default and description."""
+field's default and description. The port is bound before the model loads: a busy one is
+one line and `PORT_IN_USE_EXIT_CODE`."""
 
 from __future__ import annotations
 
+import errno
 import inspect
+import socket
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,6 +25,12 @@ from modelship.serve_options import ServeOptions
 from modelship.server.reasoning import ReasoningParser
 
 app = typer.Typer()
+
+# `serve` exits with this when its address is taken (or cannot be bound): checked before the
+# model loads. The others are `modelship.cli.common`'s (2 for a bad flag or model folder)
+# and the server's (`modelship.server.launcher.STARTUP_FAILED_EXIT_CODE` when the warm-up
+# step fails).
+PORT_IN_USE_EXIT_CODE = 98  # EADDRINUSE's errno on Linux
 
 # The flags ServeOptions' fields make (name, default, help), after serve's own below.
 FLAGS = flag_specs(ServeOptions)
@@ -93,7 +102,10 @@ def serve(
         typer.Option(metavar="HOST", help="Interface to listen on.", rich_help_panel=SERVER_PANEL),
     ] = "127.0.0.1",
     port: Annotated[
-        int, typer.Option(metavar="PORT", help="TCP port.", rich_help_panel=SERVER_PANEL)
+        int,
+        typer.Option(
+            min=1, max=65535, metavar="PORT", help="TCP port.", rich_help_panel=SERVER_PANEL
+        ),
     ] = 8000,
     api_key: Annotated[
         str | None,
@@ -117,12 +129,12 @@ def serve(
     **flags: Any,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
-    import socket
-
     from modelship.server.launcher import serve as run_server
     from modelship.server.limits import RequestLimitsConfig
 
     options = serve_options(model_dir, flags)
+    # The port is taken before the model loads: a busy one fails in a second, not after it.
+    sock = socket.socket(fileno=fd) if fd is not None else listening_socket(host, port)
     setup_logging(options.log_format)
     code = run_server(
         model_dir,
@@ -133,7 +145,7 @@ def serve(
         variant=options.variant or manifest_variant(model_dir),
         grace_period_s=options.grace_period_s,
         engine_config=options.to_engine_config(),
-        sock=socket.socket(fileno=fd) if fd is not None else None,
+        sock=sock,
         limits=RequestLimitsConfig(
             options.max_n,
             options.max_stop,
@@ -157,6 +169,21 @@ def serve(
 _own = list(inspect.signature(serve, eval_str=True).parameters.values())[:-1]
 serve.__signature__ = inspect.Signature([*_own, *map(_option, FLAGS)])  # type: ignore[attr-defined]
 app.command(cls=PanelledCommand)(serve)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """host:port bound now, before the model loads; one that is taken (or cannot be had)
+    exits with `PORT_IN_USE_EXIT_CODE` and a line naming it."""
+    from modelship.server.process import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        why = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        fail(
+            f"{host}:{port} {why}: stop what listens there or pass --port with a free port",
+            PORT_IN_USE_EXIT_CODE,
+        )
 
 
 def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:

@@ -90,7 +90,8 @@ def test_revision_on_a_local_folder_is_refused(tiny_llama_dir: Path, tmp_path: P
 @pytest.mark.parametrize(
     "args",
     [
-        ("serve", "no-such-folder"),  # not a model folder
+        ("serve", "./no-such-folder"),  # does not exist
+        ("serve", "."),  # not a model folder
         ("serve", ".", "--block-size", "0"),  # an impossible engine option
         ("gateway",),  # no replicas to route to
         ("up", "--config", "no-such-pipeline.yaml"),

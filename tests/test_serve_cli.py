@@ -1,5 +1,6 @@
-"""`modelship serve` as a vLLM user reaches for it: the port checked before the model loads,
-and a help that reads at 80 columns. Real subprocesses."""
+"""`modelship serve` as a vLLM user reaches for it: what MODEL may be, the port checked
+before the model loads, and a help that reads at 80 columns. Real subprocesses and real
+servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import pytest
 import typer
 
 from modelship.cli import app as cli_app
 from modelship.cli.serve import PORT_IN_USE_EXIT_CODE
+from modelship.storage import Storage
+
+from fleet_storage import publish_release
+from hub_stand_in import HubStandIn
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
 
 
 def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
@@ -25,6 +35,95 @@ def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedP
         timeout=120,
         env={**os.environ, "COLUMNS": str(columns), **env},
     )
+
+
+SMALL = ("--max-model-len", "256", "--kv-cache-memory-mb", "16")
+
+
+def served(process: ServerProcess) -> tuple[str, str]:
+    """(the model id /v1/models lists, the variant /ready names)."""
+    models = httpx.get(f"{process.url}/v1/models").json()["data"]
+    return models[0]["id"], httpx.get(f"{process.url}/ready").json()["variant"]
+
+
+# MODEL ----------------------------------------------------------------------------------------
+@pytest.fixture
+def storage_with_release(tiny_llama_dir: Path, tmp_path: Path) -> Storage:
+    """`tiny-chat` in storage with its fp16 release in production, as `select` leaves it."""
+    storage = Storage(tmp_path / "data")
+    number = publish_release(storage, "tiny-chat", tiny_llama_dir, "fp16")
+    storage.set_production("tiny-chat", number)
+    return storage
+
+
+def test_a_release_is_served_by_its_models_slug_and_labelled_with_its_variant(
+    storage_with_release: Storage,
+) -> None:
+    # Before: `production/` served as model "1" (the release folder's name) labelled base.
+    production = storage_with_release.production_link("tiny-chat")
+    process = ServerProcess(production, *SMALL)
+    try:
+        assert served(process) == ("tiny-chat", "fp16")
+    finally:
+        process.stop()
+    # The slug alone serves the same release.
+    process = ServerProcess(Path("tiny-chat"), "--storage", str(storage_with_release.root), *SMALL)
+    try:
+        assert served(process) == ("tiny-chat", "fp16")
+    finally:
+        process.stop()
+
+
+def test_a_hub_id_is_acquired_then_served(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = HubStandIn()
+    hub.add_folder("acme/tiny", "c" * 40, tiny_llama_dir, refs=["main"])
+    hub.start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    storage = Storage(tmp_path / "data")
+    try:
+        process = ServerProcess(Path("acme/tiny"), "--storage", str(storage.root), *SMALL)
+        try:
+            assert served(process) == ("acme--tiny", "base")
+        finally:
+            process.stop()
+    finally:
+        hub.stop()
+    assert (storage.base_dir("acme--tiny") / "manifest.json").is_file()  # through acquire
+
+
+def test_an_unreachable_hub_is_acquires_one_line_naming_the_id(tmp_path: Path) -> None:
+    result = run_cli(
+        "serve", "acme/tiny", "--storage", str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9"
+    )
+    assert result.returncode == 75, result.stderr  # transient, as `modelship acquire` says
+    assert "cannot reach the Hugging Face Hub" in result.stderr and "acme/tiny" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_gguf_file_goes_through_acquire(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    result = run_cli("serve", str(broken), "--storage", str(tmp_path / "data"))
+    assert result.returncode == 1, result.stderr
+    assert "not a model folder" not in result.stderr  # what serve said of any .gguf before
+    assert "Traceback" not in result.stderr
+    result = run_cli("serve", str(tmp_path / "notes.txt"))
+    assert "does not exist" in result.stderr
+
+
+def test_what_does_not_exist_says_so_and_lists_the_models_in_storage(
+    storage_with_release: Storage, tmp_path: Path
+) -> None:
+    missing = run_cli("serve", str(tmp_path / "missing"))
+    assert missing.returncode == 2
+    assert f"{tmp_path / 'missing'} does not exist" in missing.stderr
+    typo = run_cli("serve", "tiny-chta", "--storage", str(storage_with_release.root))
+    assert typo.returncode == 2
+    assert "tiny-chta does not exist" in typo.stderr and "(there: tiny-chat)" in typo.stderr
+    assert "Traceback" not in missing.stderr + typo.stderr
 
 
 # The port -------------------------------------------------------------------------------------

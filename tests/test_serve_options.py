@@ -16,7 +16,7 @@ from modelship.cli.serve import serve_options
 from modelship.config import ModelshipConfig
 from modelship.serve_options import ServeOptions
 
-FIXED = {"model_dir", "host", "port", "api_key", "fd"}  # serve's own, not a replica option
+FIXED = {"model", "host", "port", "api_key", "fd", "storage", "revision"}  # serve's own
 SHELL = {"install_completion", "show_completion"}  # typer's, on a single-command app
 
 

@@ -39,7 +39,9 @@ class ReplicaOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     served_model_name: str | None = Field(  # None: the model's slug (the folder's name)
-        default=None, description="Model name clients use (default: the folder name)."
+        default=None,
+        description="Model name clients use (default: the model's slug in storage, else the "
+        "folder's name).",
     )
     engine: EngineOptions = Field(default_factory=EngineOptions)
     # LoRA adapters (PEFT folders) every replica serves over the model: name -> folder;

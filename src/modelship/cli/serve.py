@@ -1,9 +1,11 @@
-"""`modelship serve`: one replica of a model folder with the OpenAI API.
+"""`modelship serve`: one replica of a model with the OpenAI API.
 
-Its flags, but for the folder, the address, the inherited socket and the key, are
-generated from `ServeOptions`' fields (`modelship.flags`): a field is a flag, with the
-field's default and description. The port is bound before the model loads: a busy one is
-one line and `PORT_IN_USE_EXIT_CODE`."""
+MODEL is resolved by `cli.serve_model` (a folder, a slug, a release, a Hub id, `demo`, a
+.gguf). Its flags, but for the model, the storage, the address, the inherited socket and
+the key, are generated from `ServeOptions`' fields (`modelship.flags`): a field is a flag,
+with the field's default and description, in one of the help panels below. Before the
+model loads, the options and the port are checked: each failure is one line and an exit
+code (`PORT_IN_USE_EXIT_CODE`)."""
 
 from __future__ import annotations
 
@@ -12,24 +14,30 @@ import inspect
 import socket
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
-from modelship.cli.common import CONFIG_EXIT_CODE, fail, setup_logging
+from modelship.cli.common import CONFIG_EXIT_CODE, err_console, exit_code, fail, setup_logging
 from modelship.cli.serve_help import PanelledCommand, flag_metavar
 from modelship.flags import FlagSpec, flag_specs, unwrap_optional, values_from_params
 from modelship.pipeline.errors import PipelineError
 from modelship.serve_options import ServeOptions
 from modelship.server.reasoning import ReasoningParser
+from modelship.storage import STORAGE_ENV, Storage, StorageError
+from modelship.storage.store import DEFAULT_ROOT
+
+if TYPE_CHECKING:
+    from modelship.cli.serve_model import ServedModel
+    from modelship.engine.config import EngineConfig
 
 app = typer.Typer()
 
 # `serve` exits with this when its address is taken (or cannot be bound): checked before the
-# model loads. The others are `modelship.cli.common`'s (2 for a bad flag or model folder)
-# and the server's (`modelship.server.launcher.STARTUP_FAILED_EXIT_CODE` when the warm-up
-# step fails).
+# model loads. The others are `modelship.cli.common`'s (2 for a MODEL that names nothing
+# servable or a bad flag, 1 or 75 for a failed acquire), and the server's
+# (`modelship.server.launcher.STARTUP_FAILED_EXIT_CODE` when the warm-up step fails).
 PORT_IN_USE_EXIT_CODE = 98  # EADDRINUSE's errno on Linux
 
 # The flags ServeOptions' fields make (name, default, help), after serve's own below.
@@ -89,11 +97,13 @@ def _option(spec: FlagSpec) -> inspect.Parameter:
 
 
 def serve(
-    model_dir: Annotated[
-        Path,
+    model: Annotated[
+        str,
         typer.Argument(
-            metavar="MODEL_DIR",
-            help="An HF model folder (base, variant, release).",
+            metavar="MODEL",
+            help="A model folder (a release, production, a variant, a base, any HF folder), "
+            "the slug of a model in storage (its production release, else its base), a .gguf "
+            "file, 'demo' or a Hub repo id (the last three acquired into storage first).",
             rich_help_panel=MODEL_PANEL,
         ),
     ],
@@ -126,25 +136,60 @@ def serve(
             rich_help_panel=SERVER_PANEL,
         ),
     ] = None,
+    storage: Annotated[
+        Path,
+        typer.Option(
+            envvar=STORAGE_ENV,
+            metavar="PATH",
+            help="Storage root: where a slug is looked up and a Hub id, 'demo' or a .gguf is "
+            "acquired to.",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ] = Path(DEFAULT_ROOT),
+    revision: Annotated[
+        str | None,
+        typer.Option(
+            metavar="REV",
+            help="Hub branch, tag or commit sha of a Hub MODEL (default: main).",
+            rich_help_panel=MODEL_PANEL,
+        ),
+    ] = None,
     **flags: Any,
 ) -> None:
-    """Serve a model with the OpenAI API (chat, completions, models, metrics)."""
-    from modelship.server.launcher import serve as run_server
-    from modelship.server.limits import RequestLimitsConfig
-
-    options = serve_options(model_dir, flags)
+    """Serve a model with the OpenAI API (chat, completions, embeddings, models, metrics)."""
+    served = served_model(model, Storage(storage), revision)
+    options = serve_options(served.path, flags, served.name)
+    engine_config = options.to_engine_config()
     # The port is taken before the model loads: a busy one fails in a second, not after it.
     sock = socket.socket(fileno=fd) if fd is not None else listening_socket(host, port)
     setup_logging(options.log_format)
-    code = run_server(
-        model_dir,
+    code = _run(served, options, engine_config, sock, host, port, api_key)
+    if code:
+        raise typer.Exit(code)
+
+
+def _run(
+    served: ServedModel,
+    options: ServeOptions,
+    engine_config: EngineConfig,
+    sock: socket.socket,
+    host: str,
+    port: int,
+    api_key: str | None,
+) -> int:
+    """Serve until drained (`server.launcher.serve`); its exit code."""
+    from modelship.server.launcher import serve as run_server
+    from modelship.server.limits import RequestLimitsConfig
+
+    return run_server(
+        served.path,
         host=host,
         port=port,
-        served_model_name=options.served_model_name,
+        served_model_name=options.served_model_name or served.name,
         api_key=api_key,
-        variant=options.variant or manifest_variant(model_dir),
+        variant=options.variant or served.variant,
         grace_period_s=options.grace_period_s,
-        engine_config=options.to_engine_config(),
+        engine_config=engine_config,
         sock=sock,
         limits=RequestLimitsConfig(
             options.max_n,
@@ -160,15 +205,21 @@ def serve(
         tool_call_parser=options.tool_call_parser,
         reasoning_parser=ReasoningParser(options.reasoning_parser),
     )
-    if code:
-        raise typer.Exit(code)
 
 
-# typer reads a command's parameters from its signature: the fixed ones above, then one per
-# ServeOptions field in place of `**flags` (which receives them by name).
-_own = list(inspect.signature(serve, eval_str=True).parameters.values())[:-1]
-serve.__signature__ = inspect.Signature([*_own, *map(_option, FLAGS)])  # type: ignore[attr-defined]
-app.command(cls=PanelledCommand)(serve)
+def served_model(model: str, storage: Storage, revision: str | None) -> ServedModel:
+    """MODEL resolved (and acquired where it is a Hub id, `demo` or a .gguf); a name that
+    is nothing servable exits 2, a failed acquire as `modelship acquire` does (1, 75)."""
+    from modelship.cli.serve_model import ServeModelError, resolve_served_model
+    from modelship.progress import make_progress
+
+    try:
+        with make_progress(err_console) as progress:
+            return resolve_served_model(model, storage, revision, progress)
+    except ServeModelError as exc:
+        fail(str(exc), CONFIG_EXIT_CODE)
+    except (PipelineError, StorageError) as exc:
+        fail(str(exc), exit_code(exc))
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -186,9 +237,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
         )
 
 
-def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:
+# typer reads a command's parameters from its signature: the fixed ones above, then one per
+# ServeOptions field in place of `**flags` (which receives them by name).
+_own = list(inspect.signature(serve, eval_str=True).parameters.values())[:-1]
+serve.__signature__ = inspect.Signature([*_own, *map(_option, FLAGS)])  # type: ignore[attr-defined]
+app.command(cls=PanelledCommand)(serve)
+
+
+def serve_options(model_dir: Path, flags: dict[str, Any], name: str | None = None) -> ServeOptions:
     """The generated flags' parsed values as options, the model folder (and a draft
-    model's, and every adapter) checked; a bad one exits with a usage error naming it."""
+    model's, and every adapter) checked; a bad one exits with a usage error naming it.
+    `name`: the model's name when --served-model-name is not given (default: the folder's),
+    which no adapter may take."""
     from pydantic import ValidationError
 
     from modelship.pipeline.acquire import validate_model_folder
@@ -200,7 +260,7 @@ def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:
             validate_model_folder(Path(flags["speculative_model"]))
         if flags.get("trace_exporter") == "file" and flags.get("trace_file") is None:
             fail("--trace-exporter file needs --trace-file PATH", CONFIG_EXIT_CODE)
-        name = flags.get("served_model_name") or model_dir.resolve().name
+        name = flags.get("served_model_name") or name or model_dir.resolve().name
         flags = {**flags, "lora": _parse_loras(flags.get("lora") or [], name)}
         return ServeOptions.model_validate(values_from_params(FLAGS, flags))
     except ValidationError as exc:  # the message names the flag
@@ -211,19 +271,6 @@ def serve_options(model_dir: Path, flags: dict[str, Any]) -> ServeOptions:
         fail("\n".join(lines), CONFIG_EXIT_CODE)
     except (PipelineError, ValueError) as exc:  # not a model folder, or a bad option
         fail(str(exc), CONFIG_EXIT_CODE)
-
-
-def manifest_variant(model_dir: Path) -> str:
-    """The variant a published folder's manifest names: a release (`production` included,
-    which Kubernetes pods serve without knowing which variant select published) or an
-    optimized variant. A folder that is no published artifact serves `base`."""
-    from modelship.storage import StorageError, read_manifest
-
-    try:
-        variant = read_manifest(model_dir).extra.get("variant")
-    except StorageError:  # no manifest (a plain HF folder), or one that cannot be read
-        return "base"
-    return variant if isinstance(variant, str) and variant else "base"
 
 
 def _parse_loras(specs: list[str], model_name: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
-"""`modelship serve` as a vLLM user reaches for it: what MODEL may be, the port checked
-before the model loads, and a help that reads at 80 columns. Real subprocesses and real
-servers on 127.0.0.1."""
+"""`modelship serve` as a vLLM user reaches for it: what MODEL may be, vLLM's spellings of
+the engine flags, the KV cache and port checked before the model loads, and a help that
+reads at 80 columns. Real subprocesses and real servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import typer
 
 from modelship.cli import app as cli_app
-from modelship.cli.serve import PORT_IN_USE_EXIT_CODE
+from modelship.cli.serve import FLAGS, PORT_IN_USE_EXIT_CODE, serve_options
+from modelship.cli.serve import app as serve_app
 from modelship.storage import Storage
 
 from fleet_storage import publish_release
@@ -25,6 +27,8 @@ from hub_stand_in import HubStandIn
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)
+
+SMALL = ("--max-model-len", "256", "--kv-cache-memory-mb", "16")
 
 
 def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
@@ -35,9 +39,6 @@ def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedP
         timeout=120,
         env={**os.environ, "COLUMNS": str(columns), **env},
     )
-
-
-SMALL = ("--max-model-len", "256", "--kv-cache-memory-mb", "16")
 
 
 def served(process: ServerProcess) -> tuple[str, str]:
@@ -126,7 +127,51 @@ def test_what_does_not_exist_says_so_and_lists_the_models_in_storage(
     assert "Traceback" not in missing.stderr + typo.stderr
 
 
+# vLLM's spellings -----------------------------------------------------------------------------
+def parse(tiny_llama_dir: Path, *args: str):
+    command = typer.main.get_command(serve_app)
+    context = command.make_context("serve", [str(tiny_llama_dir), *args])
+    flags = {spec.param: context.params[spec.param] for spec in FLAGS}
+    return serve_options(tiny_llama_dir, flags).engine
+
+
+def test_vllm_spellings_of_the_engine_flags(tiny_llama_dir: Path) -> None:
+    assert parse(tiny_llama_dir, "--no-enable-prefix-caching").prefix_caching is False
+    assert parse(tiny_llama_dir, "--enable-prefix-caching").prefix_caching is True
+    assert parse(tiny_llama_dir, "--enforce-eager").cuda_graphs is False
+    assert parse(tiny_llama_dir, "--dtype", "half").dtype == "float16"
+    assert parse(tiny_llama_dir, "--dtype", "auto").dtype is None
+    fraction = parse(tiny_llama_dir, "--gpu-memory-utilization", "0.5")
+    assert fraction.kv_cache_memory_fraction == 0.5
+    assert fraction.to_engine_config().kv_cache_memory_fraction == 0.5
+    device = parse(tiny_llama_dir, "--device", "auto").to_engine_config().torch_device
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # 1 MiB of fp32 cache holds 2048 tokens of the tiny model: not one 8192-token sequence.
+    result = run_cli("serve", str(tiny_llama_dir), "--kv-cache-memory-mb", "1",
+                     "--max-model-len", "8192")  # fmt: skip
+    assert result.returncode == 2
+    assert "fewer than one sequence of max_model_len 8192" in result.stderr
+    assert "Traceback" not in result.stderr
+    # A share of free memory is known once the weights are in: checked then, as clearly.
+    result = run_cli("serve", str(tiny_llama_dir), "--gpu-memory-utilization", "1e-9",
+                     "--engine-core", "thread", "--port", str(free_port()))  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "fewer than one sequence of max_model_len 512" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # The port -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_a_port_out_of_range_is_refused(tiny_llama_dir: Path) -> None:
     result = run_cli("serve", str(tiny_llama_dir), "--port", "70000")
     assert result.returncode == 2
@@ -163,6 +208,8 @@ def test_serve_help_fits_80_columns_with_every_flag_whole() -> None:
             flag = next((opt for opt in opts if opt.startswith("--")), None)
             if flag is not None:
                 assert re.search(rf"(^|[\s/,]){re.escape(flag)}(\s|$)", text, re.M), flag
+    for alias in ("--enable-prefix-caching", "--enforce-eager", "--gpu-memory-utilization"):
+        assert alias in text
     assert not re.search(r"<(bool|str|int|float|path|list)", text)  # no Python type names
     for panel in ("Model", "Server", "Engine", "Scheduling", "Speculative decoding", "LoRA",
                   "Limits", "Observability"):  # fmt: skip

@@ -4,8 +4,8 @@ MODEL is resolved by `cli.serve_model` (a folder, a slug, a release, a Hub id, `
 .gguf). Its flags, but for the model, the storage, the address, the inherited socket and
 the key, are generated from `ServeOptions`' fields (`modelship.flags`): a field is a flag,
 with the field's default and description, in one of the help panels below. Before the
-model loads, the options and the port are checked: each failure is one line and an exit
-code (`PORT_IN_USE_EXIT_CODE`)."""
+model loads, the options, the KV cache size (where it is known beforehand) and the port
+are checked: each failure is one line and an exit code (`PORT_IN_USE_EXIT_CODE`)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,7 @@ def _option(spec: FlagSpec) -> inspect.Parameter:
         value = spec.none_as if default is None else default
         default = None if value is None else kind(value)
     option = typer.Option(
+        *spec.declarations,
         help=spec.help,
         min=spec.minimum,
         max=spec.maximum,
@@ -157,13 +158,19 @@ def serve(
     **flags: Any,
 ) -> None:
     """Serve a model with the OpenAI API (chat, completions, embeddings, models, metrics)."""
+    from modelship.engine.errors import KVCacheTooSmallError
+
     served = served_model(model, Storage(storage), revision)
     options = serve_options(served.path, flags, served.name)
     engine_config = options.to_engine_config()
+    check_kv_cache(served.path, engine_config)
     # The port is taken before the model loads: a busy one fails in a second, not after it.
     sock = socket.socket(fileno=fd) if fd is not None else listening_socket(host, port)
     setup_logging(options.log_format)
-    code = _run(served, options, engine_config, sock, host, port, api_key)
+    try:
+        code = _run(served, options, engine_config, sock, host, port, api_key)
+    except KVCacheTooSmallError as exc:  # a cache sized from the memory free once loaded
+        fail(str(exc), CONFIG_EXIT_CODE)
     if code:
         raise typer.Exit(code)
 
@@ -220,6 +227,20 @@ def served_model(model: str, storage: Storage, revision: str | None) -> ServedMo
         fail(str(exc), CONFIG_EXIT_CODE)
     except (PipelineError, StorageError) as exc:
         fail(str(exc), exit_code(exc))
+
+
+def check_kv_cache(model_dir: Path, engine_config: EngineConfig) -> None:
+    """Exit 2 before loading anything where the KV cache could not hold one sequence of
+    max_model_len tokens (where that is known beforehand: the engine checks again once
+    loaded, for a cache sized from the memory then free)."""
+    from modelship.engine.worker import check_one_sequence_fits, planned_cache_tokens
+
+    try:  # KVCacheTooSmallError, or a config.json the engine cannot read (ModelConfigError)
+        planned = planned_cache_tokens(model_dir, engine_config)
+        if planned is not None:
+            check_one_sequence_fits(*planned)
+    except ValueError as exc:
+        fail(str(exc), CONFIG_EXIT_CODE)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -95,7 +95,7 @@ def test_a_hub_id_is_acquired_then_served(
     assert (storage.base_dir("acme--tiny") / "manifest.json").is_file()  # through acquire
 
 
-def test_an_unreachable_hub_is_acquires_one_line_naming_the_id(tmp_path: Path) -> None:
+def test_an_unreachable_hub_is_one_line_naming_the_id(tmp_path: Path) -> None:
     result = run_cli(
         "serve", "acme/tiny", "--storage", str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9"
     )

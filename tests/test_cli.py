@@ -90,7 +90,8 @@ def test_revision_on_a_local_folder_is_refused(tiny_llama_dir: Path, tmp_path: P
 @pytest.mark.parametrize(
     "args",
     [
-        ("serve", "no-such-folder"),  # not a model folder
+        ("serve", "./no-such-folder"),  # does not exist
+        ("serve", "."),  # not a model folder
         ("serve", ".", "--block-size", "0"),  # an impossible engine option
         ("gateway",),  # no replicas to route to
         ("up", "--config", "no-such-pipeline.yaml"),
@@ -116,7 +117,7 @@ def test_a_device_the_engine_does_not_take_is_one_line(tiny_llama_dir: Path) -> 
     result = run_cli("serve", str(tiny_llama_dir), "--device", "gpu")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: --device: device must be cpu, cuda or cuda:N, got 'gpu' (a GPU is `cuda`)"
+        "error: --device: device must be cpu, cuda, cuda:N or auto, got 'gpu' (a GPU is `cuda`)"
     ]
 
 

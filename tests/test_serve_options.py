@@ -16,7 +16,7 @@ from modelship.cli.serve import serve_options
 from modelship.config import ModelshipConfig
 from modelship.serve_options import ServeOptions
 
-FIXED = {"model_dir", "host", "port", "api_key", "fd"}  # serve's own, not a replica option
+FIXED = {"model", "host", "port", "api_key", "fd", "storage", "revision"}  # serve's own
 SHELL = {"install_completion", "show_completion"}  # typer's, on a single-command app
 
 
@@ -55,7 +55,8 @@ def every_field_set(tiny_llama_dir: Path, tmp_path: Path) -> ServeOptions:
         engine={
             "device": "cuda", "dtype": "bfloat16", "max_model_len": 128, "max_num_seqs": 8,
             "max_num_batched_tokens": 512, "max_prefill_chunk": 64, "kv_cache_memory_mb": 32,
-            "kv_cache_dtype": "int8", "block_size": 8, "max_waiting_requests": 10,
+            "kv_cache_memory_fraction": 0.5, "kv_cache_dtype": "int8", "block_size": 8,
+            "max_waiting_requests": 10,
             "prefix_caching": False, "cuda_graphs": False, "cuda_graph_max_batch_size": 32,
             "num_speculative_tokens": 3, "speculative_by_default": True,
             "speculative_max_batch_size": 4, "speculative_draft_token_cost": 0.125,

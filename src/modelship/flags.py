@@ -31,6 +31,11 @@ class Flag:
     prefix: str = ""  # a nested model: its fields' parameter names start with this
     # a nested model: no flags at all while it equals its default (e.g. tracing off)
     omit_default: bool = False
+    # other spellings the parser also takes (e.g. vLLM's): "--name" for a value, and for a
+    # bool "--on/--off", or " /--off" for an alias of the negative only
+    aliases: tuple[str, ...] = ()
+    # other spellings of values (alias -> value), e.g. ("half", "float16") for vLLM's dtype
+    value_aliases: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,18 +50,31 @@ class FlagSpec:
     none_as: str | None = None
     minimum: float | None = None  # the field's ge, for the parser to check (and show)
     maximum: float | None = None  # its le
+    aliases: tuple[str, ...] = ()  # `Flag.aliases`
+    value_aliases: tuple[tuple[str, str], ...] = ()  # `Flag.value_aliases`
 
     @property
     def flag(self) -> str:
         return "--" + self.param.replace("_", "-")
 
     @property
+    def declarations(self) -> tuple[str, ...]:
+        """Every spelling of the flag for the parser: () while there is only the default
+        one (the parser derives it, and `--no-` for a bool), else all of them."""
+        if not self.aliases:
+            return ()
+        is_bool = unwrap_optional(self.annotation)[0] is bool
+        name = self.flag.removeprefix("--")
+        return (f"--{name}/--no-{name}" if is_bool else self.flag, *self.aliases)
+
+    @property
     def choices(self) -> tuple[str, ...] | None:
-        """A Literal field's values (with `none_as`), else None."""
+        """A Literal field's values (with `none_as` and the value aliases), else None."""
         base, _ = unwrap_optional(self.annotation)
         if get_origin(base) is not Literal:
             return None
-        return (*get_args(base), *((self.none_as,) if self.none_as is not None else ()))
+        extra = (self.none_as,) if self.none_as is not None else ()
+        return (*get_args(base), *extra, *(alias for alias, _ in self.value_aliases))
 
     @property
     def is_mapping(self) -> bool:
@@ -104,6 +122,8 @@ def flag_specs(
                 none_as=flag.none_as,
                 minimum=next((m.ge for m in field.metadata if isinstance(m, Ge)), None),
                 maximum=next((m.le for m in field.metadata if isinstance(m, Le)), None),
+                aliases=flag.aliases,
+                value_aliases=flag.value_aliases,
             )
         )
     return specs
@@ -159,6 +179,7 @@ def values_from_params(specs: list[FlagSpec], params: Mapping[str, Any]) -> dict
         value = params[spec.param]
         if isinstance(value, Enum):
             value = value.value
+        value = dict(spec.value_aliases).get(value, value) if isinstance(value, str) else value
         if spec.none_as is not None and value == spec.none_as:
             value = None
         target = data

@@ -39,7 +39,9 @@ class ReplicaOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     served_model_name: str | None = Field(  # None: the model's slug (the folder's name)
-        default=None, description="Model name clients use (default: the folder name)."
+        default=None,
+        description="Model name clients use (default: the model's slug in storage, else the "
+        "folder's name).",
     )
     engine: EngineOptions = Field(default_factory=EngineOptions)
     # LoRA adapters (PEFT folders) every replica serves over the model: name -> folder;
@@ -150,6 +152,8 @@ class ServeOptions(ReplicaOptions):
             args += ["--max-model-len", str(engine.max_model_len)]
         if engine.dtype:
             args += ["--dtype", engine.dtype]
+        if engine.kv_cache_memory_fraction is not None:  # vLLM's share is of the whole GPU
+            args += ["--gpu-memory-utilization", str(engine.kv_cache_memory_fraction)]
         if engine.kv_cache_dtype in VLLM_KV_CACHE_DTYPES:  # otherwise the model's ("auto")
             args += ["--kv-cache-dtype", engine.kv_cache_dtype]
         if not engine.cuda_graphs:

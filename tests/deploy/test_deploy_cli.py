@@ -123,7 +123,7 @@ def test_a_device_the_engine_does_not_take_fails_render(tmp_path: Path) -> None:
     config.write_text("serve:\n  engine:\n    device: gpu\n")
     result = invoke("render", "--config", config, "--out", tmp_path / "out")
     assert result.exit_code == 2
-    assert "serve.engine.device: device must be cpu, cuda or cuda:N, got 'gpu'" in result.output
+    assert "serve.engine.device: device must be cpu, cuda, cuda:N or auto, got 'gpu'" in result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -138,4 +138,4 @@ def test_validate_fails_on_a_device_the_engine_does_not_take(
     )
     result = invoke("validate", out, "--schemas", schema_dir)
     assert result.exit_code == 1
-    assert "args: device must be cpu, cuda or cuda:N, got 'gpu'" in result.output
+    assert "args: device must be cpu, cuda, cuda:N or auto, got 'gpu'" in result.output

@@ -41,6 +41,9 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024**2
+    # set: the budget is this share of the memory free once the weights are loaded (the
+    # device's on CUDA, available RAM on CPU) instead of `kv_cache_memory_bytes`
+    kv_cache_memory_fraction: float | None = None
     num_kv_blocks: int | None = None  # overrides the memory budget when set (tests)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -104,6 +107,9 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
         if self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 0")
         if self.tensor_parallel_size < 1:

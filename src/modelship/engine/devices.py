@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import re
 
-DEVICE_TYPES = ("cpu", "cuda")
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+DEVICE_TYPES = ("cpu", "cuda", "auto")
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 
 
 def check_device_name(device: str) -> str:
-    """`device` if it is `cpu`, `cuda` or `cuda:N`; else a ValueError naming the choices."""
+    """`device` if it is `cpu`, `cuda`, `cuda:N` or `auto` (cuda where torch sees a GPU, else
+    cpu: `engine.options.resolve_device`); else a ValueError naming the choices."""
     if not _DEVICE_RE.match(device):
         hint = " (a GPU is `cuda`)" if device.lower() in ("gpu", "nvidia") else ""
-        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}{hint}")
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}{hint}")
     return device
 
 

@@ -25,3 +25,7 @@ class EngineDeadError(RuntimeError):
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine step (its sequences were aborted, the others
     went on); maps to 500."""
+
+
+class KVCacheTooSmallError(ValueError):
+    """At start-up: the KV cache cannot hold one sequence of `max_model_len` tokens."""

@@ -19,9 +19,17 @@ class EngineOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    device: str = Field(default="cpu", description="cpu or cuda.")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="float32, bfloat16 or float16 (default: per device)."
+    device: str = Field(
+        default="cpu", description="cpu, cuda (cuda:N) or auto (cuda where there is one)."
+    )
+    # vLLM's spellings too: auto (the default), half, float
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"] | None,
+        Flag(none_as="auto", value_aliases=(("half", "float16"), ("float", "float32"))),
+    ] = Field(
+        default=None,
+        description="Compute dtype: float32, bfloat16 or float16 (half), or auto: per device "
+        "and checkpoint.",
     )
     max_model_len: int | None = Field(  # None: the model's own
         default=None, ge=16, description="Context length cap (default: the model's)."
@@ -32,6 +40,18 @@ class EngineOptions(BaseModel):
         default=256, ge=1, description="Most prompt tokens in a step that also decodes streams."
     )
     kv_cache_memory_mb: int = Field(default=512, ge=1, description="KV cache budget in MiB.")
+    # vLLM sizes its cache as a share of the GPU; here the share is of what is free once the
+    # weights are in (GPU memory on CUDA, available RAM on CPU), which is what the cache gets
+    kv_cache_memory_fraction: Annotated[
+        float | None, Flag(aliases=("--gpu-memory-utilization",))
+    ] = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="KV cache budget as a fraction of the memory free after the weights "
+        "loaded (GPU on CUDA, RAM on CPU); replaces --kv-cache-memory-mb. Also spelled "
+        "--gpu-memory-utilization.",
+    )
     # None ("auto" as a flag): fp32 on CPU, the compute dtype on CUDA; int8: ~3.7x the
     # blocks of fp32 in the same memory (one fp32 scale per key/value head vector); fp8
     # (e4m3, alias fp8_e4m3): as many blocks as int8, read by SDPA attention
@@ -48,11 +68,18 @@ class EngineOptions(BaseModel):
     max_waiting_requests: int = Field(
         default=1024, ge=0, description="Queue bound before 429 (requests)."
     )
-    prefix_caching: bool = Field(default=True, description="Reuse cached prompt blocks.")
+    prefix_caching: Annotated[
+        bool, Flag(aliases=("--enable-prefix-caching/--no-enable-prefix-caching",))
+    ] = Field(
+        default=True,
+        description="Reuse cached prompt blocks (also spelled --enable-prefix-caching).",
+    )
     # decode steps from captured CUDA graphs on a CUDA device (no effect on CPU), for
     # batches of up to this many sequences
-    cuda_graphs: bool = Field(
-        default=True, description="Decode steps from captured CUDA graphs (CUDA devices only)."
+    cuda_graphs: Annotated[bool, Flag(aliases=(" /--enforce-eager",))] = Field(
+        default=True,
+        description="Decode steps from captured CUDA graphs (CUDA devices only); "
+        "--enforce-eager is --no-cuda-graphs.",
     )
     cuda_graph_max_batch_size: int = Field(
         default=256,
@@ -123,8 +150,9 @@ class EngineOptions(BaseModel):
         from modelship.engine.config import EngineConfig
 
         same = {field.name for field in fields(EngineConfig)} & type(self).model_fields.keys()
+        values = {name: getattr(self, name) for name in same}
         return EngineConfig(
-            **{name: getattr(self, name) for name in same},
+            **values | {"device": resolve_device(self.device)},
             kv_cache_memory_bytes=self.kv_cache_memory_mb * 1024**2,
             enable_prefix_caching=self.prefix_caching,
             speculative=self.speculative_config(),
@@ -148,3 +176,12 @@ class EngineOptions(BaseModel):
         """The same options as `modelship serve` flags, every one given (a replica's command
         line says it all)."""
         return flag_args(self)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` as the device this machine has: cuda where torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

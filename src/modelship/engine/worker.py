@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import torch
 
 from modelship.engine.config import EngineConfig
@@ -23,6 +24,7 @@ from modelship.engine.cuda_graphs import (
     graph_capture_error,
 )
 from modelship.engine.draft import DraftModel
+from modelship.engine.errors import KVCacheTooSmallError
 from modelship.engine.loras import LoRARegistry
 from modelship.engine.model_runner import ModelRunner, RunnerOutput
 from modelship.engine.scheduler import SchedulerOutput
@@ -36,7 +38,7 @@ from modelship.engine.tokenizer import load_tokenizer
 from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from modelship.model.loader import load_model, read_generation_eos
+from modelship.model.loader import load_model, read_generation_eos, resolve_dtype
 from modelship.model.tensor_parallel import ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -75,11 +77,11 @@ class Worker:
         )
         capturer = self._graph_capturer(self.attention_backend)
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or max(
-            1,
-            config.kv_cache_memory_bytes
-            // kv_cache_bytes_per_block(self.model.config, self.block_size, self.cache_dtype),
-        )  # under TP, rank 0 holds the most kv heads: the budget holds for every rank
+        block_bytes = kv_cache_bytes_per_block(self.model.config, self.block_size, self.cache_dtype)
+        # under TP, rank 0 holds the most kv heads: the budget holds for every rank
+        self.num_blocks = config.num_kv_blocks or max(1, self._kv_cache_budget() // block_bytes)
+        if config.num_kv_blocks is None:  # sized from memory (tests that set blocks: as set)
+            check_one_sequence_fits(self.num_blocks * self.block_size, self.max_model_len)
         num_scratch_blocks = 1 if capturer is not None else 0
         self.kv_caches = allocate_kv_cache(
             self.model.config,
@@ -113,6 +115,18 @@ class Worker:
         )
 
     # Setup -----------------------------------------------------------------------------------
+    def _kv_cache_budget(self) -> int:
+        """Bytes for the KV cache: the configured amount, or the configured share of the
+        memory free now that the weights are in."""
+        fraction = self.config.kv_cache_memory_fraction
+        if fraction is None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = psutil.virtual_memory().available
+        return int(free * fraction)
+
     def _load_model(self, shard: ShardSpec | None):
         """Rank 0's model, or its shard under TP (the other ranks are stopped on failure)."""
         try:
@@ -241,3 +255,35 @@ class Worker:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
         return total
+
+
+def check_one_sequence_fits(num_cache_tokens: int, max_model_len: int) -> None:
+    """Refuse a KV cache that cannot hold one sequence of `max_model_len` tokens: such a
+    replica would start and then fail (or preempt forever) the first long request."""
+    if num_cache_tokens < max_model_len:
+        raise KVCacheTooSmallError(
+            f"the KV cache holds {num_cache_tokens} tokens, fewer than one sequence of "
+            f"max_model_len {max_model_len}: raise --kv-cache-memory-mb (or "
+            f"--gpu-memory-utilization) or lower --max-model-len"
+        )
+
+
+def planned_cache_tokens(model_path: Path, config: EngineConfig) -> tuple[int, int] | None:
+    """(tokens the KV cache will hold, max_model_len) of `config` on CPU, known before the
+    model loads (so a start-up that would fail `check_one_sequence_fits` can fail first);
+    None where only the loaded worker knows: a share of the memory then free, a set number
+    of blocks, shards under TP, a CUDA device (whose compute dtype its kernels decide)."""
+    if (
+        config.kv_cache_memory_fraction is not None
+        or config.num_kv_blocks is not None
+        or config.tensor_parallel_size > 1
+        or config.torch_device.type != "cpu"
+    ):
+        return None
+    model_config = ModelConfig.from_dir(model_path)
+    compute_dtype = resolve_dtype(model_config, config.torch_device, config.dtype)
+    cache_dtype = config.cache_dtype(compute_dtype)
+    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, cache_dtype)
+    num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    return num_blocks * config.block_size, max_model_len

@@ -26,6 +26,10 @@ from modelship.tracing import Tracing, TracingConfig
 
 logger = logging.getLogger(__name__)
 
+# `serve` returns this when the server did not start (uvicorn's code for a failed startup:
+# the warm-up step raised, or the address could not be had).
+STARTUP_FAILED_EXIT_CODE = 3
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState, grace_period_s: float):
@@ -69,8 +73,9 @@ def serve(
     reasoning_parser: ReasoningParser = ReasoningParser.auto,
 ) -> int:
     """Load the model, warm it up, serve until drained; returns the exit code. With `sock`
-    (a bound socket handed over by the parent process), listen on it instead of binding
-    `host`/`port`. `engine_process`: the engine core runs in its own process (else on a
+    (a socket bound before the model loads: by `modelship serve`, or by a parent process
+    that handed it over), listen on it instead of binding `host`/`port`.
+    `engine_process`: the engine core runs in its own process (else on a
     thread of this one); if it dies, the open requests fail and the server exits 1. A step
     running past `stall_timeout_s` makes /ready and /health answer 503."""
     engine_type = EngineCoreClient if engine_process else AsyncLLMEngine
@@ -101,7 +106,7 @@ def serve(
         **uvicorn_http_options(),  # httptools (or h11) with the request head capped
     )
     if sock is not None:
-        logger.info("listening on %s:%d (inherited socket)", *sock.getsockname()[:2])
+        logger.info("listening on http://%s:%d", *sock.getsockname()[:2])
     server = DrainingServer(config, app.state.server, grace_period_s)
     if isinstance(engine, EngineCoreClient):
 
@@ -114,7 +119,7 @@ def serve(
     finally:
         tracer.shutdown()  # export the spans still batched
     if not server.started:
-        return 3  # uvicorn's code for a failed startup (the warm-up step raised)
+        return STARTUP_FAILED_EXIT_CODE
     if isinstance(engine, EngineCoreClient) and engine.crashed:
         logger.error("exiting: the engine core died")
         return 1

@@ -3,7 +3,8 @@ real `modelship serve` processes as the pods of a headless Service, whose Endpoi
 stand-in API server (`kube_stand_in.py`) lists and watches. The gateway routes to a pod
 once its slice says ready, stops routing to one that leaves or turns not-ready, survives a
 dropped watch and a 410, and fails a stream over from a killed pod (the twin of
-`test_failover.py`'s, which runs under `modelship up`)."""
+`test_failover.py`'s, which runs under `modelship up`), and retries the requests of a
+killed pod its slice still lists (the kill in `test_fleet.py`'s scale test)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def kube() -> Iterator[KubeStandIn]:
 def start_gateway(tmp_path: Path, kube: KubeStandIn) -> Iterator[Callable[[], GatewayProcess]]:
     started: list[GatewayProcess] = []
 
-    def start() -> GatewayProcess:
+    def start(**resilience) -> GatewayProcess:
         config = {
             "routing": {"policy": "round_robin"},
-            "resilience": {"max_failovers": 1, "breaker_failure_threshold": 5},
+            "resilience": {"max_failovers": 1, "breaker_failure_threshold": 5, **resilience},
             "discovery": {"services": [SERVICE], "namespace": kube.namespace},
             "metrics_api_key_sha256": hash_api_key(KEY),
         }
@@ -181,3 +182,31 @@ def test_a_chat_stream_survives_a_killed_pod(
     after = gateway.metric("modelship_gateway_failovers_total", outcome="resumed")
     assert after == resumed_before + 1
     assert sum(replica.has_exited() for replica in replicas) == 1
+
+
+def test_requests_survive_a_killed_pod_its_slice_still_lists(
+    replicas: list[ServerProcess], kube: KubeStandIn, start_gateway
+):
+    """The kill of `test_fleet.py::test_scale_out_survive_kill_then_scale_in` with discovered
+    pods: Kubernetes lists a killed pod as ready until its probe fails; meanwhile the
+    gateway retries its requests on another pod and opens its breaker. (After the stream
+    test a replica is dead already; run alone, this test kills one.)"""
+    if not any(replica.has_exited() for replica in replicas):
+        replicas[1].kill()
+        replicas[1].process.wait(timeout=30)
+    survivor = next(replica for replica in replicas if not replica.has_exited())
+    victim = next(replica for replica in replicas if replica.has_exited())
+    put(kube, "pod-a", survivor)
+    put(kube, "pod-b", victim)  # still listed ready
+    # Health checks far apart: only the request path finds the dead pod.
+    gateway = start_gateway(health_check_interval_s=60)
+    answers = [answered_by(gateway) for _ in range(12)]
+    assert set(answers) == {"pod-a"}  # every request answered, by the live pod
+    assert gateway.metric("modelship_gateway_retries_total") >= 1
+    assert gateway.metric("modelship_gateway_breaker_opened_total") >= 1
+
+    kube.remove_pod(SERVICE, "pod-b")  # its probe failed at last: out of the slice
+    deadline = time.monotonic() + 20
+    while gateway.metric("modelship_gateway_breaker_state", endpoint="pod-b") > 0:
+        assert time.monotonic() < deadline, "pod-b is still in the gateway's pool"
+        time.sleep(0.1)

@@ -130,10 +130,14 @@ def test_chart_renders_a_tier_as_deploy_render_does(
             bounds = (spec["minReplicas"], spec["maxReplicas"])
         return (*bounds, spec["scaleTargetRef"]["name"])
 
-    def tier_endpoints(objects: list[Json]) -> str:
+    def discovered(objects: list[Json]) -> tuple[str, dict[str, str]]:
+        """The Services the gateway discovers pods of, and the tier Service's labels the
+        gateway reads from its EndpointSlices."""
         gateway = one(objects, "Deployment", f"{NAME}-gateway")
         env = gateway["spec"]["template"]["spec"]["containers"][0]["env"]
-        return {e["name"]: e.get("value") for e in env}["MODELSHIP_GATEWAY_TIER_ENDPOINTS"]
+        labels = one(objects, "Service", name)["metadata"]["labels"]
+        ours = {key: value for key, value in labels.items() if key.startswith("modelship.io/")}
+        return {e["name"]: e.get("value") for e in env}["MODELSHIP_GATEWAY_DISCOVER_SERVICES"], ours
 
     ours = engine(charted)
     assert ours["serves"] == "optimized/gptq"
@@ -143,8 +147,10 @@ def test_chart_renders_a_tier_as_deploy_render_does(
     assert ours == engine(expected)
     assert one(charted, "Service", name)["spec"] == one(expected, "Service", name)["spec"]
     assert scaling(charted) == scaling(expected) == (1, 3, name)
-    endpoints = f"economy=http://{name}:8000,bulk=http://{NAME}-engine-tier-bulk:8000"
-    assert tier_endpoints(charted) == tier_endpoints(expected) == endpoints
+    services = f"{NAME}-engine,{name},{NAME}-engine-tier-bulk"
+    labels = {"modelship.io/model": NAME, "modelship.io/track": "stable",
+              "modelship.io/tier": "economy", "modelship.io/variant": "gptq"}  # fmt: skip
+    assert discovered(charted) == discovered(expected) == (services, labels)
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,10 @@ def test_deployment_canary_is_a_pinned_track_the_gateway_splits() -> None:
     gateway = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
     assert env["MODELSHIP_GATEWAY_CANARY_WEIGHT"] == "10"
-    assert env["MODELSHIP_GATEWAY_CANARY_ENDPOINTS"] == f"http://{NAME}-engine-canary:8000"
+    services = env["MODELSHIP_GATEWAY_DISCOVER_SERVICES"].split(",")
+    assert services == [f"{NAME}-engine", f"{NAME}-engine-canary"]
+    labels = one(objects, "Service", f"{NAME}-engine-canary")["metadata"]["labels"]
+    assert labels["modelship.io/track"] == "canary"  # copied onto its EndpointSlices
     # The stable engine has no replica count: the autoscaler owns it.
     assert "replicas" not in one(objects, "Deployment", f"{NAME}-engine")["spec"]
 
@@ -235,6 +238,26 @@ def test_gateway_runs_modelship_gateway_with_the_config() -> None:
     assert gateway["spec"]["replicas"] == 2
     one(objects, "Service", f"{NAME}-gateway")
     one(objects, "PodDisruptionBudget", f"{NAME}-gateway")
+
+
+def test_the_gateway_discovers_the_engine_pods_with_a_role_that_reads_endpointslices() -> None:
+    """The engine Service is headless (its EndpointSlices list the pods, each an upstream of
+    the gateway) and the gateway's ServiceAccount may list and watch them, and Leases."""
+    objects = render(config_for("deployment")).objects
+    engine = one(objects, "Service", f"{NAME}-engine")
+    assert engine["spec"]["clusterIP"] == "None"
+    assert engine["metadata"]["labels"]["modelship.io/track"] == "stable"
+    pod = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["MODELSHIP_GATEWAY_DISCOVER_SERVICES"] == f"{NAME}-engine"
+    assert "MODELSHIP_GATEWAY_ENDPOINTS" not in env
+    account = one(objects, "ServiceAccount", pod["serviceAccountName"])
+    binding = one(objects, "RoleBinding", account["metadata"]["name"])
+    assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+    role = one(objects, "Role", binding["roleRef"]["name"])
+    verbs = {(r["apiGroups"][0], r["resources"][0]): set(r["verbs"]) for r in role["rules"]}
+    assert verbs[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}
+    assert {"get", "create", "update"} <= verbs[("coordination.k8s.io", "leases")]
 
 
 def test_pinned_release_renders_a_rollback() -> None:
@@ -413,7 +436,7 @@ def test_workflow_without_deploy_step_for_helm_or_gitops(schema_dir: Path) -> No
     assert names == {"pipeline", "acquire", "acquire-run", "optimize", "select"}
     tasks = workflow["spec"]["templates"][0]["dag"]["tasks"]
     assert tasks[-1]["name"] == "select"
-    role = one(rendered.objects, "Role")
+    role = one(rendered.objects, "Role", f"{NAME}-pipeline")
     assert [rule["resources"] for rule in role["rules"]] == [["workflowtaskresults"]]
     assert validate_objects(rendered.objects, schema_dir) == []
 
@@ -495,7 +518,9 @@ def test_a_tier_is_an_engine_deployment_of_its_variant(autoscaler: str, schema_d
         assert hpa["scaleTargetRef"]["name"] == name
     gateway_pod = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in gateway_pod["containers"][0]["env"]}
-    assert env["MODELSHIP_GATEWAY_TIER_ENDPOINTS"] == f"economy=http://{name}:8000"
+    assert env["MODELSHIP_GATEWAY_DISCOVER_SERVICES"] == f"{NAME}-engine,{name}"
+    labels = one(objects, "Service", name)["metadata"]["labels"]
+    assert (labels["modelship.io/tier"], labels["modelship.io/variant"]) == ("economy", "gptq")
 
 
 def test_tiers_are_not_rendered_for_kserve() -> None:

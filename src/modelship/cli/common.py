@@ -54,6 +54,8 @@ def setup_logging(log_format: str = "text") -> None:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
+    # lightkube's client (gateway discovery): a line per EndpointSlice list and watch.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 StorageOption = Annotated[

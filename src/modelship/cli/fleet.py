@@ -97,14 +97,48 @@ def gateway(
             "its own.",
         ),
     ] = None,
+    discover_service: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A headless Service whose ready pods are the replicas, found in the "
+            "Kubernetes API (repeatable; else $MODELSHIP_GATEWAY_DISCOVER_SERVICES, "
+            "comma-separated; else gateway.discovery)."
+        ),
+    ] = None,
+    discover_namespace: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_DISCOVER_NAMESPACE",
+            help="The Services' namespace (default: the gateway pod's own).",
+        ),
+    ] = None,
+    kube_api: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_KUBE_API",
+            help="The Kubernetes API server's URL (default: in-cluster, with the pod's "
+            "service account).",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
-    """Run only the gateway, in front of replicas given by address (e.g. Kubernetes)."""
+    """Run only the gateway, in front of replicas given by address or found in the
+    Kubernetes API (the pods behind headless Services)."""
     from modelship.fleet.standalone import GatewaySetupError, StandaloneGateway, StaticReplicas
+    from modelship.gateway.config import DiscoveryConfig
     from modelship.gateway.launcher import run_gateway
 
     config = load_config(config_path)
+    services = discover_service or _split(os.environ.get("MODELSHIP_GATEWAY_DISCOVER_SERVICES"))
+    discovery = None
+    if services:
+        discovery = DiscoveryConfig(services=services, namespace=discover_namespace,
+                                    api_server=kube_api)  # fmt: skip
+    elif config.gateway.discovery is not None and (discover_namespace or kube_api):
+        update = {"namespace": discover_namespace, "api_server": kube_api}
+        update = {key: value for key, value in update.items() if value}
+        discovery = config.gateway.discovery.model_copy(update=update)
     weight = canary_weight
     if weight is None:
         weight = int(os.environ.get("MODELSHIP_GATEWAY_CANARY_WEIGHT", "0") or 0)
@@ -116,12 +150,9 @@ def gateway(
         engine=engine,
     )
     try:
+        key = os.environ.get("MODELSHIP_API_KEY")
         gateway = StandaloneGateway(
-            config,
-            replicas,
-            os.environ.get("MODELSHIP_API_KEY"),
-            state_url=state,
-            usage_dir=usage_dir,
+            config, replicas, key, state_url=state, discovery=discovery, usage_dir=usage_dir
         )
     except GatewaySetupError as exc:
         fail(str(exc), CONFIG_EXIT_CODE)

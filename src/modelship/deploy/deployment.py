@@ -5,7 +5,14 @@ serve port): in-flight requests per replica against `target_concurrency`, and qu
 requests against `target_waiting`. A canary is a second, fixed-size Deployment serving a
 pinned release behind its own Service; the gateway splits traffic between the two. Each of
 `gateway.tiers` is one more Deployment + Service serving its optimized variant, autoscaled
-between the tier's own `min_replicas` and `max_replicas`; the gateway gets its address.
+between the tier's own `min_replicas` and `max_replicas`.
+
+The engine Services are headless (`clusterIP: None`): the gateway watches their
+EndpointSlices (`gateway/discovery.py`) and routes to each pod itself, so its prefix
+affinity, load balancing, breakers and failover see every replica. The Services' labels,
+which the EndpointSlice controller copies onto their slices, say which track and tier the
+pods serve; the gateway's ServiceAccount may read the slices (and Leases, for electing one
+gateway to run the fleet's single-writer work).
 """
 
 from __future__ import annotations
@@ -100,16 +107,31 @@ def engine_deployment(
     }
 
 
+def discovery_labels(
+    ctx: RenderContext, track: str = "stable", tier: TierConfig | None = None
+) -> dict[str, str]:
+    """What the gateway reads from an engine Service's EndpointSlices (the names are
+    `gateway/discovery.py`'s): the track, and a cheaper tier's name and variant."""
+    found = {"modelship.io/model": ctx.name, "modelship.io/track": track}
+    if tier is not None:
+        found.update({"modelship.io/tier": tier.name, "modelship.io/variant": tier.variant})
+    return found
+
+
 def engine_service(
     ctx: RenderContext, track: str = "stable", tier: TierConfig | None = None
 ) -> Json:
+    """Headless: its DNS name and EndpointSlices list the pods, which the gateway routes
+    to one by one."""
     name, component = track_names(ctx, track) if tier is None else tier_names(ctx, tier)
+    object_labels = {**labels(ctx.name, component), **discovery_labels(ctx, track, tier)}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(name, ctx.namespace, labels(ctx.name, component)),
+        "metadata": metadata(name, ctx.namespace, object_labels),
         "spec": {
             "type": "ClusterIP",
+            "clusterIP": "None",
             "selector": selector(ctx.name, component),
             "ports": [
                 {"name": "http", "port": ctx.port, "targetPort": "http", "protocol": "TCP"},
@@ -231,25 +253,60 @@ def scaled_object(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
     }
 
 
+def engine_service_names(ctx: RenderContext) -> list[str]:
+    """The headless Services whose pods the gateway discovers: stable, canary, tiers."""
+    names = [track_names(ctx, "stable")[0]]
+    if ctx.serving.canary is not None:
+        names.append(track_names(ctx, "canary")[0])
+    return names + [tier_names(ctx, tier)[0] for tier in ctx.config.gateway.tiers]
+
+
 def gateway_env(ctx: RenderContext) -> list[Json]:
-    """Where the gateway finds the engines, which engine they run, and the canary split."""
-    stable, _ = track_names(ctx, "stable")
+    """Where the gateway finds the engines (their pods, from the Services' EndpointSlices in
+    its own namespace), which engine they run, and the canary split."""
+    services = ",".join(engine_service_names(ctx))
     env = [
-        {"name": "MODELSHIP_GATEWAY_ENDPOINTS", "value": f"http://{stable}:{ctx.port}"},
+        {"name": "MODELSHIP_GATEWAY_DISCOVER_SERVICES", "value": services},
         {"name": "MODELSHIP_GATEWAY_ENGINE", "value": ctx.serving.engine},
     ]
     canary = ctx.serving.canary
     if canary is not None:
-        name, _ = track_names(ctx, "canary")
-        env += [
-            {"name": "MODELSHIP_GATEWAY_CANARY_ENDPOINTS", "value": f"http://{name}:{ctx.port}"},
-            {"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)},
-        ]
-    tiers = ctx.config.gateway.tiers
-    if tiers:
-        urls = [f"{tier.name}=http://{tier_names(ctx, tier)[0]}:{ctx.port}" for tier in tiers]
-        env.append({"name": "MODELSHIP_GATEWAY_TIER_ENDPOINTS", "value": ",".join(urls)})
+        env.append({"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)})
     return env + api_key_env(ctx)  # the key the engines require, when they do
+
+
+def gateway_identity(ctx: RenderContext) -> list[Json]:
+    """ServiceAccount + Role + RoleBinding the gateway runs as: it reads the engines'
+    EndpointSlices, and Leases (the election of the one gateway that runs the fleet's
+    single-writer work)."""
+    name = f"{ctx.name}-{GATEWAY}"
+    object_labels = labels(ctx.name, GATEWAY)
+    rules = [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["get", "list", "watch", "create", "update", "patch"]},
+    ]  # fmt: skip
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": metadata(name, ctx.namespace, object_labels),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(name, ctx.namespace, object_labels),
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(name, ctx.namespace, object_labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+        },
+    ]
 
 
 def gateway_deployment(ctx: RenderContext) -> Json:
@@ -283,6 +340,7 @@ def gateway_deployment(ctx: RenderContext) -> Json:
                     "annotations": prometheus_annotations(gateway.port),
                 },
                 "spec": {
+                    "serviceAccountName": name,  # `gateway_identity`'s
                     "terminationGracePeriodSeconds": termination_grace_s(ctx),
                     "containers": [container],
                     "volumes": [config_volume(ctx)],
@@ -330,6 +388,7 @@ def deployment_serving(ctx: RenderContext) -> list[Json]:
             autoscaler(ctx, tier),
         ]
     objects += [
+        *gateway_identity(ctx),
         gateway_deployment(ctx),
         gateway_service(ctx),
         disruption_budget(ctx, f"{ctx.name}-{GATEWAY}", GATEWAY),

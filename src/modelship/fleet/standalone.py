@@ -1,7 +1,9 @@
-"""`modelship gateway`: the gateway alone, in front of replicas given by address (on
-Kubernetes, the engine Services the render writes), composed from the config as
-`local.py` composes `modelship up`'s. Nothing here starts or scales a replica: the
-addresses are fixed, each unhealthy until its first health check."""
+"""`modelship gateway`: the gateway alone, in front of replicas given by address, or found
+in the Kubernetes API (`gateway.discovery`: every ready pod behind the engine's headless
+Services, as the render writes them), composed from the config as `local.py` composes
+`modelship up`'s. Nothing here starts or scales a replica: an address given is fixed, and
+unhealthy until its first health check; a discovered pod comes and goes with its
+EndpointSlice."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
 from modelship.gateway.app import create_gateway_app
+from modelship.gateway.config import DiscoveryConfig
 from modelship.gateway.cost import UsageLedger, writer_name
+from modelship.gateway.discovery import EndpointDiscovery
 from modelship.gateway.engines import EngineKind
 from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, static_upstreams
@@ -48,17 +52,25 @@ class StandaloneGateway:
         replicas: StaticReplicas,
         environment_api_key: str | None = None,
         state_url: str | None = None,
+        discovery: DiscoveryConfig | None = None,
         usage_dir: Path | None = None,
     ) -> None:
         """`state_url`: the tenant quota store (`--state`), over `gateway.state`;
+        `discovery`: where to find the replicas (`--discover-service`), over
+        `gateway.discovery`, which is used only when no replica is given by address;
         `usage_dir`: the folder of the usage ledger (`--usage-dir`, the model's `usage/` on
         the models volume), where this gateway appends to a file of its own."""
-        if not replicas.stable:
+        discovery = discovery or (None if replicas.stable else config.gateway.discovery)
+        if not replicas.stable and discovery is None:
             raise GatewaySetupError(
-                "no replicas: pass --endpoint URL or set MODELSHIP_GATEWAY_ENDPOINTS"
+                "no replicas: pass --endpoint URL (or set MODELSHIP_GATEWAY_ENDPOINTS), or "
+                "--discover-service NAME (or gateway.discovery)"
             )
+        if replicas.stable and discovery is not None:
+            raise GatewaySetupError("--endpoint and --discover-service: pass one of the two")
         weight = replicas.canary_weight
-        if replicas.canary and not 0 <= weight <= 99:
+        has_canary = bool(replicas.canary) or discovery is not None
+        if has_canary and not 0 <= weight <= 99:
             raise GatewaySetupError(f"--canary-weight must be 0..99 (percent), got {weight}")
         try:
             kind = EngineKind(replicas.engine or config.deploy.serving.engine)
@@ -80,6 +92,9 @@ class StandaloneGateway:
                     f"gateway.tiers ({known})"
                 )
             tier_urls.setdefault(name, []).append(url)
+        self.discovery = None
+        if discovery is not None:
+            self.discovery = EndpointDiscovery(discovery, self.pool, kind, set(tiers))
         for name, urls in tier_urls.items():
             variant = tiers[name].variant
             static_upstreams(self.pool, urls, tier_group(name), "stable", variant, kind)
@@ -104,7 +119,7 @@ class StandaloneGateway:
             self.pool,
             api_key=config.serve.api_key or environment_api_key,
             upstream_api_key=upstream_key,
-            canary_weight=weight if replicas.canary else 0,
+            canary_weight=weight if has_canary else 0,
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
         )
@@ -112,4 +127,8 @@ class StandaloneGateway:
             self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())
 
     def app(self) -> Starlette:
-        return create_gateway_app(self.service)
+        if self.discovery is None:
+            return create_gateway_app(self.service)
+        return create_gateway_app(
+            self.service, on_startup=[self.discovery.start], on_shutdown=[self.discovery.stop]
+        )

@@ -132,6 +132,24 @@ class RequestLimitsConfig(_Section):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
 
 
+class DiscoveryConfig(_Section):
+    """Replicas found in the Kubernetes API (`gateway/discovery.py`): the ready endpoints of
+    the EndpointSlices of these headless Services, each pod one upstream."""
+
+    services: list[str] = Field(min_length=1)
+    # Unset: the gateway pod's own namespace (its service account's).
+    namespace: str | None = None
+    # The slice port the replicas serve on, by name (a slice with one port: that one).
+    port: str = "http"
+    # The API server's URL; unset: in-cluster, with the pod's service account token.
+    api_server: str | None = None
+
+    @field_validator("services", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+
 class GatewayConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -167,6 +185,9 @@ class GatewayConfig(_Section):
     state: str | None = None
     # The store not answering: refuse quota'd requests (503) or admit them unmetered.
     state_failure: Literal["open", "closed"] = "closed"
+    # Where `modelship gateway` finds its replicas when none are given by address: the
+    # EndpointSlices of headless Services (`modelship gateway --discover-service`).
+    discovery: DiscoveryConfig | None = None
 
     @field_validator("metrics_api_key_sha256", "admin_api_key_sha256", mode="before")
     @classmethod

@@ -104,7 +104,8 @@ def test_validate_a_render(tmp_path: Path, schema_dir: Path) -> None:
     assert invoke("render", "--out", out, "--autoscaler", "keda").exit_code == 0
     result = invoke("validate", out, "--schemas", schema_dir)
     assert result.exit_code == 0, result.output
-    assert "18 objects" in result.output and ": 0 errors" in result.output
+    assert "19 objects" in result.output and ": 0 errors" in result.output
+    assert "1 Namespace" in result.output
     assert "Kubernetes 1.33.0" in result.output
 
 

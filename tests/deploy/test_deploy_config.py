@@ -134,7 +134,9 @@ def test_dns_name(slug: str, name: str) -> None:
 
 def test_explicit_name_prefixes_every_object() -> None:
     rendered = render(ModelshipConfig.from_dict({"deploy": {"name": "chat"}}))
-    names = [
-        obj["metadata"].get("name") or obj["metadata"]["generateName"] for obj in rendered.objects
+    names = [  # the Namespace is named by deploy.namespace, not the prefix
+        obj["metadata"].get("name") or obj["metadata"]["generateName"]
+        for obj in rendered.objects
+        if obj["kind"] != "Namespace"
     ]
     assert all(name.startswith("chat-") or name == "modelship-data" for name in names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from k8s_tools import by_kind, config_for, one
 
 from modelship.config import ModelshipConfig
 from modelship.deploy.checks import check_objects
-from modelship.deploy.render import render
+from modelship.deploy.render import render, write_rendered
 from modelship.deploy.validate import validate_objects
 from modelship.deploy.workflow import ROLLOUT_ANNOTATION
 
@@ -397,8 +398,34 @@ def test_pvc_is_rendered_from_storage_settings(schema_dir: Path) -> None:
         "resources": {"requests": {"storage": "2Ti"}},
         "storageClassName": "fast-rwx",
     }
-    assert {obj["metadata"]["namespace"] for obj in objects} == {"llm"}
+    namespaced = [obj for obj in objects if obj["kind"] != "Namespace"]
+    assert {obj["metadata"]["namespace"] for obj in namespaced} == {"llm"}
     assert validate_objects(objects, schema_dir) == []
+
+
+def test_cluster_yaml_creates_the_namespace_first() -> None:
+    rendered = render(config_for(deploy={"namespace": "llm"}))
+    first = rendered.files["cluster.yaml"][0]
+    assert first["kind"] == "Namespace" and first["metadata"]["name"] == "llm"
+    assert "namespace" not in first["metadata"]  # cluster-scoped
+    assert by_kind(rendered.objects, "Namespace") == [first]
+
+
+def test_a_namespace_managed_elsewhere_is_not_rendered() -> None:
+    objects = render(config_for(deploy={"create_namespace": False})).objects
+    assert by_kind(objects, "Namespace") == []
+
+
+@pytest.mark.parametrize("serving", ["kserve", "deployment"])
+def test_rendered_files_have_no_yaml_anchors(serving: str, tmp_path: Path) -> None:
+    # The Role's rules share one verbs list: PyYAML's default writes `&id001` / `*id001`.
+    write_rendered(render(config_for(serving)), tmp_path / "k8s")
+    for path in sorted((tmp_path / "k8s").glob("*.yaml")):
+        text = path.read_text()
+        assert not re.search(r"[&*]id\d{3}", text), path.name
+        for doc in yaml.safe_load_all(text):
+            if doc and doc.get("kind") == "ConfigMap" and "pipeline.yaml" in doc.get("data", {}):
+                assert not re.search(r"[&*]id\d{3}", doc["data"]["pipeline.yaml"])
 
 
 def test_schema_validation_catches_a_misspelt_field(schema_dir: Path) -> None:

@@ -1,13 +1,13 @@
-"""Objects applied once before the pipeline runs: storage, config, the pipeline's identity."""
+"""Objects applied once before the pipeline runs: namespace, storage, config, the pipeline's
+identity."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 from modelship.deploy.context import RenderContext
-from modelship.deploy.names import CONFIG_FILE, DATA_ROOT, labels, metadata
+from modelship.deploy.names import APP, CONFIG_FILE, DATA_ROOT, labels, metadata
+from modelship.deploy.yaml_text import dump_yaml
 
 Json = dict[str, Any]
 
@@ -31,6 +31,17 @@ _APPLY_RULES = [
     {"apiGroups": [group], "resources": [resource], "verbs": _APPLY_VERBS}
     for group, resource in _APPLIED
 ]
+
+
+def namespace(ctx: RenderContext) -> Json:
+    """The namespace every other object lives in, so `kubectl apply -f cluster.yaml` is the
+    first and only step before submitting the Workflow (no `kubectl create namespace`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        # No model's labels: several models may share one namespace, each render applying it.
+        "metadata": {"name": ctx.namespace, "labels": {"app.kubernetes.io/managed-by": APP}},
+    }
 
 
 def persistent_volume_claim(ctx: RenderContext) -> Json:
@@ -63,7 +74,7 @@ def pipeline_yaml(ctx: RenderContext) -> str:
     serve = data.get("serve")
     if isinstance(serve, dict):
         serve.pop("api_key", None)
-    return yaml.safe_dump(data, sort_keys=False)
+    return dump_yaml(data)
 
 
 def config_map(ctx: RenderContext) -> Json:
@@ -128,7 +139,8 @@ def pipeline_identity(ctx: RenderContext) -> list[Json]:
 
 
 def cluster_objects(ctx: RenderContext) -> list[Json]:
-    objects = [persistent_volume_claim(ctx), config_map(ctx), memo_cache(ctx)]
+    objects = [namespace(ctx)] if ctx.deploy.create_namespace else []
+    objects += [persistent_volume_claim(ctx), config_map(ctx), memo_cache(ctx)]
     if ctx.renders_api_key_secret:
         objects.append(api_key_secret(ctx))
     return objects + pipeline_identity(ctx)

@@ -252,6 +252,9 @@ class StorageConfig(_Section):
 
 class DeployConfig(_Section):
     namespace: str = "modelship"
+    # cluster.yaml starts with the Namespace object; false where the namespace is managed
+    # elsewhere (applying a Namespace needs a cluster-scoped permission).
+    create_namespace: bool = True
     image: str = "ghcr.io/modelship/modelship:0.1.0"
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     name: str | None = None  # prefix of every object name; None: from the model slug

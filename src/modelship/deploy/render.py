@@ -1,6 +1,6 @@
 """Render the config to Kubernetes YAML files, checked, and write them all or nothing.
 
-cluster.yaml       PVC, ConfigMap (pipeline.yaml), memo cache, API key Secret, RBAC
+cluster.yaml       Namespace, PVC, ConfigMap (pipeline.yaml), memo cache, API key Secret, RBAC
 workflow.yaml      the Argo Workflow (generateName: submit it as often as you like)
 serving.yaml       KServe InferenceService, or engine + gateway Deployments and friends
 monitoring.yaml    the Grafana dashboard as a ConfigMap for Grafana's dashboard sidecar
@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from modelship.config import ModelshipConfig
 from modelship.deploy.checks import check_objects
 from modelship.deploy.cluster import cluster_objects
@@ -28,6 +26,7 @@ from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
 from modelship.deploy.names import labels
 from modelship.deploy.workflow import task_name, workflow
+from modelship.deploy.yaml_text import dump_yaml, dump_yaml_all
 from modelship.serve_options import VLLM_KV_CACHE_DTYPES
 
 Json = dict[str, Any]
@@ -145,7 +144,7 @@ def render(config: ModelshipConfig) -> Rendered:
 
 
 def dump_objects(objects: list[Json]) -> str:
-    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+    return dump_yaml_all(objects)
 
 
 def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
@@ -166,8 +165,7 @@ def write_rendered(rendered: Rendered, out: Path) -> list[Path]:
         for name, objects in rendered.files.items():
             (tmp / name).write_text(dump_objects(objects))
         if rendered.helm_values is not None:
-            text = yaml.safe_dump(rendered.helm_values, sort_keys=False)
-            (tmp / "helm-values.yaml").write_text(text)
+            (tmp / "helm-values.yaml").write_text(dump_yaml(rendered.helm_values))
         (tmp / "grafana-dashboard.json").write_text(dashboard_json())
         (tmp / MARKER).write_text("written by `modelship deploy render`; safe to replace\n")
         _swap_into_place(tmp, out)

@@ -9,7 +9,9 @@
                       pipeline.yaml, an unknown or impossible option,  field, then run again
                       a device this torch cannot use
     3     STARTUP     `serve` could not start after the model loaded   the log's last lines
-                      (the port was taken, the warm-up step raised)    name the cause
+                      (the warm-up step raised)                        name the cause
+    98    PORT_IN_USE `serve`'s address is taken or cannot be bound    free the port or pass
+                      (checked before the model loads)                 another --port
     75    TRANSIENT   worth retrying as is (EX_TEMPFAIL): the Hub is   retry; the Argo Workflow
                       unreachable, a worker was killed                 retries it by itself
 
@@ -28,3 +30,4 @@ class ExitCode(IntEnum):
     USAGE = 2
     STARTUP = 3
     TRANSIENT = 75
+    PORT_IN_USE = 98  # EADDRINUSE's errno on Linux

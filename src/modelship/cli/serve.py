@@ -20,6 +20,7 @@ import typer
 
 from modelship.adapter_names import ADAPTER_NAME_RULE, is_adapter_name
 from modelship.cli.common import CONFIG_EXIT_CODE, err_console, exit_code, fail, setup_logging
+from modelship.cli.exit_codes import ExitCode
 from modelship.cli.serve_help import PanelledCommand, flag_metavar
 from modelship.flags import FlagSpec, flag_specs, unwrap_optional, values_from_params
 from modelship.pipeline.errors import PipelineError
@@ -35,10 +36,9 @@ if TYPE_CHECKING:
 app = typer.Typer()
 
 # `serve` exits with this when its address is taken (or cannot be bound): checked before the
-# model loads. The others are `modelship.cli.common`'s (2 for a MODEL that names nothing
-# servable or a bad flag, 1 or 75 for a failed acquire), and the server's
-# (`modelship.server.launcher.STARTUP_FAILED_EXIT_CODE` when the warm-up step fails).
-PORT_IN_USE_EXIT_CODE = 98  # EADDRINUSE's errno on Linux
+# model loads. The others are in `exit_codes.py` (2 for a MODEL that names nothing servable
+# or a bad flag, 1 or 75 for a failed acquire, 3 when the warm-up step fails).
+PORT_IN_USE_EXIT_CODE = ExitCode.PORT_IN_USE
 
 # The flags ServeOptions' fields make (name, default, help), after serve's own below.
 FLAGS = flag_specs(ServeOptions)

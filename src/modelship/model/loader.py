@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
+from modelship.model.moe import expert_names
 from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
 from modelship.model.quant.int8 import LM_HEADS
@@ -140,7 +141,9 @@ def load_model(
             fused_decoder = False  # the C++ decoder has no all-reduce between its layers
         # Everything still on the meta device (embeddings, norms) is a plain tensor to assign.
         state = {
-            name: checkpoint.get(_checkpoint_name(name)).to(dtype=dtype, device=device)
+            name: checkpoint.get(_checkpoint_name(name, config.architecture)).to(
+                dtype=dtype, device=device
+            )
             for name, param in model.named_parameters()
             if param.is_meta
         }
@@ -184,8 +187,12 @@ def _wants_int8_head(
     return available and bool(config.quantization_config) and dtype == torch.bfloat16
 
 
-def _checkpoint_name(name: str) -> str:
-    """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels."""
+def _checkpoint_name(name: str, architecture: str) -> str:
+    """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels, and
+    call every MLP `mlp` (Mixtral's MoE block is `block_sparse_moe`)."""
+    block = expert_names(architecture).block
+    if block != "mlp":
+        name = name.replace(".mlp.", f".{block}.")
     for norm in (".q_norm.", ".k_norm."):
         name = name.replace(norm, f".self_attn{norm}")
     if name.startswith(("embed_tokens.", "norm.", "layers.")):

@@ -239,3 +239,31 @@ def test_fused_decoder_falls_back_for_the_whole_model_and_says_so(
     assert model.fused_decoder is None
     assert "2 of 2 layers are mixture-of-experts" in caplog.text
     assert "all layers run one by one" in caplog.text
+
+
+def test_bf16_default_follows_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_moe("qwen3_moe", tmp_path / "q")
+    model = load_model(folder)  # CPU default: bf16 compute, the router included
+    assert model.dtype == torch.bfloat16
+    assert model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    ids = random_ids(40, model.config.vocab_size)
+    logits = run(model, [(ids[:36], 0), (ids[36:], 36)], list(range(10)), "sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(ids.unsqueeze(0)).logits[0]
+    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_tensor_parallel_and_lora_are_refused_by_name(tmp_path: Path) -> None:
+    from modelship.model.tensor_parallel import ShardSpec
+
+    folder = save_tiny_moe("mixtral", tmp_path / "m")
+    config = ModelConfig.from_dir(folder)
+    with pytest.raises(ValueError, match=r"tensor-parallel-size 2.*mixture-of-experts"):
+        ShardSpec(config, rank=0, world_size=2)
+    model = load_model(folder, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"LoRA.*mixture-of-experts.*MixtralForCausalLM"):
+        model.enable_lora()

@@ -267,3 +267,8 @@ def test_tensor_parallel_and_lora_are_refused_by_name(tmp_path: Path) -> None:
     model = load_model(folder, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"LoRA.*mixture-of-experts.*MixtralForCausalLM"):
         model.enable_lora()
+
+
+def test_cuda_graphs_are_declined_with_the_reason(tmp_path: Path) -> None:
+    moe = load_model(save_tiny_moe("olmoe", tmp_path / "o"), dtype=torch.float32)
+    assert "OlmoeForCausalLM routes tokens to experts" in moe.graph_capture_error()

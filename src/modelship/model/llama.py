@@ -205,6 +205,15 @@ class LlamaForCausalLM(CausalLM):
         self.fused_decoder = FusedDecoder(list(self.layers), self.norm)
         return True
 
+    def graph_capture_error(self) -> str | None:
+        if self.config.moe is None:
+            return None
+        # `MoEMLP.forward` reads the experts' group sizes back to the host each layer
+        return (
+            f"{self.config.architecture} routes tokens to experts with host-side group "
+            "sizes, which a CUDA graph cannot record"
+        )
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype

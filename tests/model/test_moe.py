@@ -272,3 +272,32 @@ def test_tensor_parallel_and_lora_are_refused_by_name(tmp_path: Path) -> None:
 def test_cuda_graphs_are_declined_with_the_reason(tmp_path: Path) -> None:
     moe = load_model(save_tiny_moe("olmoe", tmp_path / "o"), dtype=torch.float32)
     assert "OlmoeForCausalLM routes tokens to experts" in moe.graph_capture_error()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_stacked_expert_checkpoint_loads_like_per_expert_one(kind: str, tmp_path: Path) -> None:
+    """transformers 5 keeps experts stacked in memory; a checkpoint written in that layout
+    (gate_up [E, 2I, hidden], down [E, hidden, I]) gives the same model."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_tiny_moe(kind, tmp_path / kind)
+    ids = random_ids(12, 320)
+    expected = run(load_model(folder, dtype=torch.float32), [(ids, 0)], [0, 1, 2], "sdpa")
+    tensors = load_file(folder / "model.safetensors")
+    gate, up, down = (
+        ("w1", "w3", "w2") if kind == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    )
+    block = "block_sparse_moe" if kind == "mixtral" else "mlp"
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.{block}.experts"
+        parts = {
+            proj: [tensors.pop(f"{prefix}.{e}.{proj}.weight") for e in range(6)]
+            for proj in (gate, up, down)
+        }
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(parts[gate], parts[up], strict=True)]
+        )
+        tensors[f"{prefix}.down_proj"] = torch.stack(parts[down])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    stacked = run(load_model(folder, dtype=torch.float32), [(ids, 0)], [0, 1, 2], "sdpa")
+    torch.testing.assert_close(stacked, expected, atol=0, rtol=0)

@@ -180,6 +180,10 @@ class Worker:
         error = capturer and graph_capture_error(
             attention_backend, self.config.block_size, self.config.torch_device
         )
+        if capturer == "cuda":
+            # the model's own reason (mixture-of-experts routing); "replay" reruns the
+            # forward eagerly, so it takes any model
+            error = error or self.model.graph_capture_error()
         if capturer == "cuda" and error:
             logger.warning("decode steps run eagerly: %s", error)
             return None

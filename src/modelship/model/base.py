@@ -42,6 +42,10 @@ class CausalLM(nn.Module):
         """Run the decoder layers in one fused CPU call where possible; False: not here."""
         return False
 
+    def graph_capture_error(self) -> str | None:
+        """Why this model's forward cannot be recorded as a CUDA graph; None if it can."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32. Does not modify anything."""
         raise NotImplementedError

@@ -12,10 +12,54 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Rope variants `rope.py` implements; anything else is refused when the config is read.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Architectures whose q and k pass an RMSNorm before RoPE: per head (Qwen3) or over the
+# whole projection, all heads together (OLMoE).
+_QK_NORM = {
+    "Qwen3ForCausalLM": "head",
+    "Qwen3MoeForCausalLM": "head",
+    "OlmoeForCausalLM": "full",
+}
+# Mixture-of-experts architectures -> whether the top-k routing weights are renormalized
+# to sum to 1 regardless of `norm_topk_prob` (Mixtral always does; the others ask the config).
+_MOE_ALWAYS_NORMALIZED = {
+    "MixtralForCausalLM": True,
+    "Qwen2MoeForCausalLM": False,
+    "Qwen3MoeForCausalLM": False,
+    "OlmoeForCausalLM": False,
+}
+_ALWAYS_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 class ModelConfigError(ValueError):
     """config.json is missing, malformed or inconsistent; the message names file and field."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config: which layers route, and how.
+
+    A routed layer sends each token to the `top_k` of `num_experts` gated MLPs (width
+    `intermediate_size`) with the highest softmax router probability, weighted by those
+    probabilities, renormalized over the k when `normalize_top_k`. `shared_intermediate_size`
+    > 0 adds an always-on expert gated by sigmoid(x w) (Qwen2-MoE).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    sparse_layers: tuple[int, ...]  # the routed layers; the others have the dense MLP
+    shared_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelConfigError(
+                f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ModelConfigError(
+                f"moe_intermediate_size must be positive, got {self.intermediate_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -49,6 +93,10 @@ class ModelConfig:
     quantization_config: dict[str, Any] | None
     # Tokens a query may look back (Mistral v0.1; Qwen2 with use_sliding_window); None: all.
     sliding_window: int | None = None
+    # "head": q/k RMSNorm per head (Qwen3); "full": over all heads at once (OLMoE).
+    qk_norm_scope: str = "head"
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
+    moe: MoEConfig | None = None  # None: a dense model
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -140,13 +188,46 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases and its config does not say so.
-                qkv_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
-                qk_norm=architecture == "Qwen3ForCausalLM",
+                # Qwen2 always has q/k/v biases and its config does not say so; Qwen2-MoE
+                # says so as `qkv_bias` (transformers 5) or not at all.
+                qkv_bias=bool(
+                    raw.get(
+                        "attention_bias",
+                        raw.get("qkv_bias", architecture in _ALWAYS_QKV_BIAS),
+                    )
+                ),
+                qk_norm=architecture in _QK_NORM,
                 checkpoint_dtype=_DTYPES.get(str(dtype_name).removeprefix("torch."), torch.float32),
                 eos_token_ids=eos_ids,
                 quantization_config=raw.get("quantization_config"),
                 sliding_window=window,
+                qk_norm_scope=_QK_NORM.get(architecture, "head"),
+                clip_qkv=raw.get("clip_qkv"),
+                moe=_moe_config(raw, architecture, need),
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc
+
+
+def _moe_config(raw: dict[str, Any], architecture: str, need: Any) -> MoEConfig | None:
+    if architecture not in _MOE_ALWAYS_NORMALIZED:
+        return None
+    # Mixtral names the count `num_local_experts`; transformers 5 writes Qwen3-MoE's so too.
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not num_experts:
+        raise ModelConfigError("missing field 'num_experts' (or 'num_local_experts')")
+    num_layers = need("num_hidden_layers")
+    # Qwen2/3-MoE may keep some layers dense: `mlp_only_layers`, or only every
+    # `decoder_sparse_step`-th layer routed.
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = raw.get("decoder_sparse_step") or 1
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=need("num_experts_per_tok"),
+        # Mixtral and OLMoE experts have the model's `intermediate_size`.
+        intermediate_size=raw.get("moe_intermediate_size") or need("intermediate_size"),
+        normalize_top_k=_MOE_ALWAYS_NORMALIZED[architecture] or bool(raw.get("norm_topk_prob")),
+        sparse_layers=sparse,
+        shared_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+    )

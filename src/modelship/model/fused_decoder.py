@@ -8,7 +8,8 @@ each other (deterministic greedy decoding, as on the unfused path).
 
 Taken for steps on the CPU attention kernel (`AttentionMetadata.block_table` set) when
 every projection is a `W4A8Linear` and the layers have no q/k norm; everything else runs
-`DecoderLayer.forward`.
+`DecoderLayer.forward`. Mixture-of-experts layers are not covered: a model with any runs
+all its layers one by one (`LlamaForCausalLM.use_fused_decoder` logs it).
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ import torch
 
 from modelship.model.attention import AttentionMetadata
 from modelship.model.kv_cache import KVCache
+from modelship.model.layers import GatedMLP, RMSNorm
 from modelship.model.quant.int4 import W4A8Linear
 
 if TYPE_CHECKING:
-    from modelship.model.layers import RMSNorm
     from modelship.model.llama import DecoderLayer
 
 
 def can_fuse(layer: DecoderLayer) -> bool:
-    """Whether the fused op computes this layer: W4A8 projections (a bias only on q/k/v),
-    no per-head q/k norm."""
+    """Whether the fused op computes this layer: a dense gated MLP (not mixture-of-experts),
+    W4A8 projections (a bias only on q/k/v), no q/k norm, no q/k/v clipping."""
+    if not isinstance(layer.mlp, GatedMLP):
+        return False
     projections = (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     return (
         not layer.qk_norm
+        and layer.clip_qkv is None
         and all(isinstance(p, W4A8Linear) for p in projections)
         and all(p.bias is None for p in projections[1:])
     )

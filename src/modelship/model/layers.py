@@ -1,14 +1,20 @@
-"""Building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), gated MLP."""
+"""Building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), gated MLP; the
+linear-module factory the loader hands to model constructors."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from modelship.model.config import ModelConfig
+
+# (checkpoint prefixes of projections sharing an input, has bias) -> one module computing
+# all of them, outputs concatenated in prefix order. It holds its weights already.
+LinearFactory = Callable[[list[str], bool], nn.Module]
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,8 @@
 """The Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, SmolLM,
 TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim);
-GQA, tied embeddings.
+GQA, tied embeddings. With `moe.py`'s routed MLP in some or all layers: Mixtral, OLMoE
+(q/k RMSNorm over the whole projection, optional q/k/v clipping), Qwen2-MoE (shared
+expert) and Qwen3-MoE.
 
 Tokens of all scheduled requests are flattened into one batch ([num_tokens, hidden]); the
 only per-request work is attention, which reads the paged KV cache (`attention.py`).
@@ -13,7 +15,7 @@ to their window.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +27,25 @@ from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
 from modelship.model.fused_decoder import FusedDecoder, can_fuse
 from modelship.model.kv_cache import KVCache
-from modelship.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope_
+from modelship.model.layers import (
+    GatedMLP,
+    LinearFactory,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope_,
+)
 from modelship.model.lora import LoRAContext, attach_lora
+from modelship.model.moe import MoEMLP, expert_names
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
 from modelship.model.quant.int8 import W8A8Linear, int8_head_supports
 
-# (checkpoint prefixes of projections sharing an input, has bias) -> one module computing
-# all of them, outputs concatenated in prefix order. It holds its weights already.
-LinearFactory = Callable[[list[str], bool], nn.Module]
+logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + gated MLP; the residual stream is passed along, not re-added."""
 
-    def __init__(self, config: ModelConfig, prefix: str, linear: LinearFactory) -> None:
+    def __init__(self, config: ModelConfig, index: int, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.num_heads = config.num_heads
@@ -48,21 +55,33 @@ class DecoderLayer(nn.Module):
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
         self.qk_norm = config.qk_norm
+        self.qk_norm_per_head = config.qk_norm_scope == "head"
+        self.clip_qkv = config.clip_qkv
         self.qkv_proj = linear(
             [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], config.qkv_bias
         )
         self.o_proj = linear([f"{attn}.o_proj"], False)
-        self.mlp = GatedMLP(
-            linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], False),
-            linear([f"{mlp}.down_proj"], False),
-            config.intermediate_size,
-        )
+        self.mlp: GatedMLP | MoEMLP
+        if config.moe is not None and index in config.moe.sparse_layers:
+            names = expert_names(config.architecture)
+            self.mlp = MoEMLP(config, f"{prefix}.{names.block}", linear, names)
+        else:
+            self.mlp = GatedMLP(
+                linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], False),
+                linear([f"{mlp}.down_proj"], False),
+                config.intermediate_size,
+            )
         with torch.device("meta"):  # assigned from the checkpoint by the loader
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            if config.qk_norm:
-                self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-                self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            if config.qk_norm:  # per head, or over the whole q and k projections
+                q_width, k_width = (
+                    (config.head_dim, config.head_dim)
+                    if self.qk_norm_per_head
+                    else (config.q_size, config.kv_size)
+                )
+                self.q_norm = RMSNorm(q_width, config.rms_norm_eps)
+                self.k_norm = RMSNorm(k_width, config.rms_norm_eps)
 
     def forward(
         self,
@@ -79,11 +98,15 @@ class DecoderLayer(nn.Module):
         num_tokens = qkv.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, qk_size = self.q_size, self.q_size + self.kv_size
-        if self.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
-            k = qkv[:, q_size:qk_size].view(num_tokens, kv_heads, head_dim)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE; OLMoE: whole
+            q, k = qkv[:, :q_size], qkv[:, q_size:qk_size]
+            if self.qk_norm_per_head:
+                q = q.view(num_tokens, heads, head_dim)
+                k = k.view(num_tokens, kv_heads, head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         if meta.backend == "cpu":  # one kernel call: RoPE, cache write and attention
             # cos/sin are the whole tables here, indexed by position inside the kernel
             attn = cpu_kernels.rope_paged_attention(
@@ -124,7 +147,7 @@ class LlamaForCausalLM(CausalLM):
             )
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, f"model.layers.{i}", linear) for i in range(config.num_layers)
+            DecoderLayer(config, i, f"model.layers.{i}", linear) for i in range(config.num_layers)
         )
         self.lm_head = None if config.tie_word_embeddings else linear(["lm_head"], False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
@@ -135,6 +158,11 @@ class LlamaForCausalLM(CausalLM):
     def enable_lora(self) -> LoRAContext:
         """Hook the projections for LoRA deltas (`lora.py`); the runner fills the returned
         context per step. Steps with adapter rows skip the fused decoder (it calls no hooks)."""
+        if self.config.moe is not None:
+            raise ValueError(
+                f"LoRA adapters on mixture-of-experts models ({self.config.architecture}) "
+                "are not supported"
+            )
         if self.lora is None:
             c = self.config
             self.lora = attach_lora(
@@ -162,11 +190,31 @@ class LlamaForCausalLM(CausalLM):
 
     def use_fused_decoder(self) -> bool:
         """Run all layers in one C++ call on CPU-kernel steps; False where some layer is not
-        fusable (see `fused_decoder.can_fuse`)."""
+        fusable (see `fused_decoder.can_fuse`). The fallback is per model: the fused op
+        runs every layer or none."""
+        moe_layers = sum(isinstance(layer.mlp, MoEMLP) for layer in self.layers)
+        if moe_layers:
+            logger.info(
+                "%s: %d of %d layers are mixture-of-experts, which the fused CPU decoder does "
+                "not cover: all layers run one by one",
+                self.config.architecture,
+                moe_layers,
+                len(self.layers),
+            )
+            return False
         if not all(can_fuse(layer) for layer in self.layers):
             return False
         self.fused_decoder = FusedDecoder(list(self.layers), self.norm)
         return True
+
+    def graph_capture_error(self) -> str | None:
+        if self.config.moe is None:
+            return None
+        # `MoEMLP.forward` reads the experts' group sizes back to the host each layer
+        return (
+            f"{self.config.architecture} routes tokens to experts with host-side group "
+            "sizes, which a CUDA graph cannot record"
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from safetensors import safe_open
 
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
+from modelship.model.moe import expert_names
 from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
 from modelship.model.quant.int8 import LM_HEADS
@@ -22,6 +24,16 @@ from modelship.model.tensor_parallel import ShardSpec, wrap_row_parallel
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXPERT_WEIGHT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+# expert projection (Qwen/OLMoE names, Mixtral's) -> (stacked tensor, half of its rows or None)
+_STACKED_PARTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w2": ("down_proj", None),
+}
 
 
 class MissingWeightError(KeyError):
@@ -60,9 +72,32 @@ class _Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         handle = self.location.get(name)
         if handle is None:
-            raise MissingWeightError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
+            stacked = self._stacked_expert(name)
+            if stacked is None:
+                raise MissingWeightError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
+            return stacked
         self.used.add(name)
         return handle.get_tensor(name)
+
+    def _stacked_expert(self, name: str) -> torch.Tensor | None:
+        """One expert's projection out of the stacked layout transformers 5 keeps in memory
+        (`<block>.experts.gate_up_proj` [E, 2 x I, hidden], gate rows first, and
+        `<block>.experts.down_proj` [E, hidden, I]), for checkpoints written that way;
+        None when `name` is no expert projection or the stack is absent too."""
+        match = _EXPERT_WEIGHT.fullmatch(name)
+        if match is None:
+            return None
+        stack, half = _STACKED_PARTS[match["proj"]]
+        stacked_name = f"{match['block']}.{stack}"
+        handle = self.location.get(stacked_name)
+        if handle is None:
+            return None
+        self.used.add(stacked_name)
+        expert = handle.get_slice(stacked_name)[int(match["expert"])]  # reads one expert
+        if half is None:
+            return expert
+        rows = expert.shape[0] // 2
+        return expert[half * rows : (half + 1) * rows]
 
 
 def resolve_dtype(
@@ -140,7 +175,9 @@ def load_model(
             fused_decoder = False  # the C++ decoder has no all-reduce between its layers
         # Everything still on the meta device (embeddings, norms) is a plain tensor to assign.
         state = {
-            name: checkpoint.get(_checkpoint_name(name)).to(dtype=dtype, device=device)
+            name: checkpoint.get(_checkpoint_name(name, config.architecture)).to(
+                dtype=dtype, device=device
+            )
             for name, param in model.named_parameters()
             if param.is_meta
         }
@@ -184,8 +221,12 @@ def _wants_int8_head(
     return available and bool(config.quantization_config) and dtype == torch.bfloat16
 
 
-def _checkpoint_name(name: str) -> str:
-    """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels."""
+def _checkpoint_name(name: str, architecture: str) -> str:
+    """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels, and
+    call every MLP `mlp` (Mixtral's MoE block is `block_sparse_moe`)."""
+    block = expert_names(architecture).block
+    if block != "mlp":
+        name = name.replace(".mlp.", f".{block}.")
     for norm in (".q_norm.", ".k_norm."):
         name = name.replace(norm, f".self_attn{norm}")
     if name.startswith(("embed_tokens.", "norm.", "layers.")):

@@ -6,7 +6,8 @@ import torch
 
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
-from modelship.model.llama import LinearFactory, LlamaForCausalLM
+from modelship.model.layers import LinearFactory
+from modelship.model.llama import LlamaForCausalLM
 
 __all__ = ["CausalLM", "UnsupportedModelError", "create_model", "supported_architectures"]
 
@@ -16,12 +17,17 @@ class UnsupportedModelError(ValueError):
 
 
 # One implementation covers the family: the differences are config flags (q/k/v bias,
-# per-head q/k norm, explicit head_dim, rope scaling, tied embeddings).
+# per-head or whole-projection q/k norm, q/k/v clipping, explicit head_dim, rope scaling,
+# tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`).
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "OlmoeForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 

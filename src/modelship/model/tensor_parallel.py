@@ -52,6 +52,11 @@ class ShardSpec:
                 f"--tensor-parallel-size {self.world_size} supports dense checkpoints only "
                 "(fp32/bf16/fp16), not quantized ones"
             )
+        if self.world_size > 1 and self.full.moe is not None:
+            raise ValueError(
+                f"--tensor-parallel-size {self.world_size} does not support "
+                f"mixture-of-experts models ({self.full.architecture}) yet"
+            )
         if self.full.num_kv_heads < self.world_size:
             raise ValueError(
                 f"--tensor-parallel-size {self.world_size} exceeds the model's "

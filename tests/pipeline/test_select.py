@@ -147,11 +147,18 @@ def test_two_copies_of_the_same_weights_tie(pipeline) -> None:
     first, second = result.scores
     assert (first.variant, second.variant) == ("fp16", "twin")  # by name: nothing else differs
     assert first.score == second.score and first.normalized == second.normalized
-    serving = result.evaluations["twin"]["serving"]
+    twin = result.evaluations["twin"]
+    # quality too is a tie on the same items, and the paired difference is exactly zero
+    assert twin["quality_share_differences"]["fp16"] == {"value": 0.0, "ci95": [0.0, 0.0]}
+    assert twin["quality_share_ci95"] == result.evaluations["fp16"]["quality_share_ci95"]
+    assert twin["quality_ci95"]["task_accuracy"][0] <= twin["quality"]["task_accuracy"]
+    serving = twin["serving"]
     assert serving["rounds"] == 2 and len(serving["samples"]["ttft_s"]) == 2
     assert set(serving["ci"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
     report = (storage.release_dir("tiny", result.release) / "report.md").read_text()
     assert "Tie within noise: **fp16** and **twin**" in report and " +/- " in report
+    assert "quality share minus fp16's (paired) | - | - | +0.0% [+0.0%, +0.0%] |" in report
+    assert "repeated 4-grams, all golden prompts" in report
 
 
 def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:

@@ -191,6 +191,8 @@ def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     assert f"release {release} of tiny: {winner} (not production)" in shown.output
     assert f"measured {winner}: quality" in shown.output and "+/-" in shown.output
+    assert "variant fp16: fp16, float16 weights;" in shown.output
+    assert "None" not in shown.output
     as_json = json.loads(runner.invoke(app, ["release", "show", "--json", *storage_args]).output)
     assert as_json["production"] and as_json["history"][-1]["action"] == "production"
     assert as_json["history"][-1]["previous"] == release

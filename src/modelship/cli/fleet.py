@@ -256,6 +256,16 @@ def show(
     _print_record(record)
 
 
+def _recipe_text(recipe: dict) -> str:
+    """A variant's weights in words: "gptq, 4-bit weights in groups of 128", "fp16, float16
+    weights" (a recipe with no bit width keeps its dtype)."""
+    scheme = recipe.get("scheme", "?")
+    if recipe.get("bits") is None:
+        return f"{scheme}, {recipe.get('dtype') or 'unquantized'} weights"
+    groups = f" in groups of {recipe['group_size']}" if recipe.get("group_size") else ""
+    return f"{scheme}, {recipe['bits']}-bit weights{groups}"
+
+
 def _print_record(record: dict) -> None:
     state = "production" if record["production"] else "not production"
     if record.get("canary"):
@@ -275,7 +285,7 @@ def _print_record(record: dict) -> None:
         tools = ", ".join(
             f"{k} {v}" for k, v in sorted((variant.get("tool_versions") or {}).items())
         )
-        _say(f"  variant {name}: {recipe.get('scheme', '?')} {recipe.get('bits', '')}-bit; {tools}")
+        _say(f"  variant {name}: {_recipe_text(recipe)}; {tools}")
     selection = record.get("selection") or {}
     for line in selection.get("why", []):
         _say(f"  {line.replace('**', '')}")

@@ -285,13 +285,17 @@ def _print_record(record: dict) -> None:
         tools = ", ".join(
             f"{k} {v}" for k, v in sorted((variant.get("tool_versions") or {}).items())
         )
-        _say(f"  variant {name}: {_recipe_text(recipe)}; {tools}")
+        _say(f"  variant {name}: {_recipe_text(recipe)}" + (f"; {tools}" if tools else ""))
     selection = record.get("selection") or {}
     for line in selection.get("why", []):
         _say(f"  {line.replace('**', '')}")
     for name, m in (record.get("measurements") or {}).items():
         serving = m.get("serving") or {}
-        parts = [f"quality {m['quality_share']:.1%}"] if m.get("quality_share") is not None else []
+        parts = []
+        if m.get("quality_share") is not None:
+            low, high = m.get("quality_share_ci95") or (None, None)
+            interval = "" if low is None else f" [{low:.1%}, {high:.1%}]"
+            parts.append(f"quality {m['quality_share']:.1%}{interval}")
         for metric, scale, unit in (("ttft_s", 1e3, "ms TTFT"), ("tpot_s", 1e3, "ms/token"),
                                     ("throughput_tok_s", 1, "tok/s")):  # fmt: skip
             if metric in serving:

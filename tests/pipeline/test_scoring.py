@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from modelship.pipeline.select.bootstrap import Interval
 from modelship.pipeline.select.report import explain
 from modelship.pipeline.select.scoring import (
     Gates,
@@ -113,3 +115,58 @@ def test_confidence_intervals_of_repeated_samples() -> None:
     assert not differ(10.0, 1.0, 11.5, 1.0, 0.0) and differ(10.0, 1.0, 12.5, 1.0, 0.0)
     with pytest.raises(ValueError, match="no samples"):
         Estimate.of([])
+
+
+def bootstrapped(name: str, quality: float, replicates, low: float, high: float):
+    """A variant whose quality share came with paired bootstrap replicates."""
+    m = measured(name, quality, 0.1, 40.0, 100e6)
+    m.quality_replicates = np.asarray(replicates)
+    m.quality_interval = Interval(low, high)
+    return m
+
+
+def test_quality_inside_the_paired_interval_is_a_tie_like_serving_metrics() -> None:
+    rng = np.random.default_rng(1)
+    shared = rng.normal(0.0, 0.02, 2000)  # what both variants get right or wrong together
+    a = bootstrapped("a", 0.975, 0.975 + shared + rng.normal(0, 0.01, 2000), 0.93, 1.0)
+    b = bootstrapped("b", 0.965, 0.965 + shared + rng.normal(0, 0.01, 2000), 0.92, 1.0)
+    scores = score_variants([b, a], weights_for(None), Gates())
+    assert scores[0].normalized["quality"] == scores[1].normalized["quality"]
+    assert scores[0].normalized["quality"] == pytest.approx(0.75)  # a's, the leader's
+    assert tie_at_top(scores, weights_for(None)) == (["a", "b"], "name")
+    # the same two means with a paired difference that is never zero: a real difference
+    a.quality_replicates = 0.975 + shared
+    b.quality_replicates = 0.965 + shared
+    by_name = {s.variant: s for s in score_variants([b, a], weights_for(None), Gates())}
+    assert by_name["a"].normalized["quality"] == pytest.approx(0.75)
+    assert by_name["b"].normalized["quality"] == pytest.approx(0.65)
+
+
+def test_a_quality_interval_that_straddles_the_gate_passes_with_a_warning() -> None:
+    on_gate = bootstrapped("on-gate", 0.895, [0.895], 0.85, 0.94)
+    below = bootstrapped("below", 0.86, [0.86], 0.80, 0.89)
+    safe = bootstrapped("safe", 0.97, [0.97], 0.95, 0.99)
+    scores = score_variants([on_gate, below, safe], weights_for(None), Gates())
+    by_name = {s.variant: s for s in scores}
+    assert by_name["on-gate"].passed and not by_name["on-gate"].reasons
+    [warning] = by_name["on-gate"].warnings
+    assert "89.5% (95% interval 85.0%..94.0%)" in warning and "straddles the 90% gate" in warning
+    assert not by_name["below"].passed
+    assert (
+        "(95% interval 80.0%..89.0%) of the base, below the 90% gate" in by_name["below"].reasons[0]
+    )
+    assert by_name["safe"].passed and by_name["safe"].warnings == []
+    lines = explain(scores, weights_for(None))
+    assert any(
+        line.startswith("**on-gate** passed with a warning: quality 89.5%") for line in lines
+    )
+
+
+def test_degeneration_gates_read_the_interval_over_all_golden_prompts() -> None:
+    m = measured("awq", 0.97, 0.1, 40.0, 1e8, repetition=0.14)
+    m.repetition_interval = Interval(0.0, 0.56)  # one looping prompt of four
+    result = score_variants([m], weights_for(None), Gates())[0]
+    assert result.passed and "straddles the 50% degeneration gate" in result.warnings[0]
+    m.repetition, m.repetition_interval = 0.7, Interval(0.55, 0.9)
+    result = score_variants([m], weights_for(None), Gates())[0]
+    assert not result.passed and "degenerate output: 70.0%" in result.reasons[0]

@@ -4,6 +4,7 @@ release published and production switched, memoized reruns, rollback."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -147,11 +148,18 @@ def test_two_copies_of_the_same_weights_tie(pipeline) -> None:
     first, second = result.scores
     assert (first.variant, second.variant) == ("fp16", "twin")  # by name: nothing else differs
     assert first.score == second.score and first.normalized == second.normalized
-    serving = result.evaluations["twin"]["serving"]
+    twin = result.evaluations["twin"]
+    # quality too is a tie on the same items, and the paired difference is exactly zero
+    assert twin["quality_share_differences"]["fp16"] == {"value": 0.0, "ci95": [0.0, 0.0]}
+    assert twin["quality_share_ci95"] == result.evaluations["fp16"]["quality_share_ci95"]
+    assert twin["quality_ci95"]["task_accuracy"][0] <= twin["quality"]["task_accuracy"]
+    serving = twin["serving"]
     assert serving["rounds"] == 2 and len(serving["samples"]["ttft_s"]) == 2
     assert set(serving["ci"]) == {"ttft_s", "tpot_s", "throughput_tok_s"}
     report = (storage.release_dir("tiny", result.release) / "report.md").read_text()
     assert "Tie within noise: **fp16** and **twin**" in report and " +/- " in report
+    assert "quality share minus fp16's (paired) | - | - | +0.0% [+0.0%, +0.0%] |" in report
+    assert "repeated 4-grams, all golden prompts" in report
 
 
 def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
@@ -183,7 +191,10 @@ def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
     shown = runner.invoke(app, ["release", "show", str(release), *storage_args])
     assert shown.exit_code == 0, shown.output
     assert f"release {release} of tiny: {winner} (not production)" in shown.output
-    assert f"measured {winner}: quality" in shown.output and "+/-" in shown.output
+    assert re.search(rf"measured {winner}: quality [\d.]+% \[[\d.]+%, [\d.]+%\]", shown.output)
+    assert "+/-" in shown.output
+    assert "variant fp16: fp16, float16 weights" in shown.output
+    assert "None" not in shown.output
     as_json = json.loads(runner.invoke(app, ["release", "show", "--json", *storage_args]).output)
     assert as_json["production"] and as_json["history"][-1]["action"] == "production"
     assert as_json["history"][-1]["previous"] == release

@@ -4,12 +4,13 @@ loses tool calls loses quality share."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from modelship.engine import EngineConfig, LLMEngine
-from modelship.pipeline.select.runner import quality_share
+from modelship.pipeline.select.intervals import quality_share
 from modelship.pipeline.select.tool_use import (
     ToolTask,
     _is_expected,
@@ -70,10 +71,11 @@ def test_the_engine_path_scores_the_calls_the_grammar_leaves(tiny_llama_dir: Pat
 
 
 def test_a_variant_that_loses_tool_calls_loses_quality_share() -> None:
-    base = {"quality": {"task_accuracy": 0.5, "perplexity": 10.0, "tool_call_success": 0.6}}
-    same = {"quality": dict(base["quality"])}
-    broken = {"quality": {**base["quality"], "tool_call_success": 0.3}}
-    assert quality_share(same, base) == pytest.approx(1.0)
-    assert quality_share(broken, base) == pytest.approx((1.0 + 1.0 + 0.5) / 3)
-    no_tools = {"quality": {**base["quality"], "tool_call_success": 0.0}}
-    assert quality_share(broken, no_tools) == pytest.approx(1.0)  # no scale: left out
+    base = {"task_accuracy": 0.5, "nll_per_token": math.log(10.0), "tool_call_success": 0.6}
+    broken = {**base, "tool_call_success": 0.3}
+    assert quality_share(dict(base), base, with_tools=True) == pytest.approx(1.0)
+    assert quality_share(broken, base, with_tools=True) == pytest.approx((1.0 + 1.0 + 0.5) / 3)
+    no_tools = {**base, "tool_call_success": 0.0}
+    assert quality_share(broken, no_tools, with_tools=False) == pytest.approx(1.0)
+    # on a resample where the base calls nothing right there is no scale: kept whole
+    assert quality_share(broken, no_tools, with_tools=True) == pytest.approx(1.0)

@@ -339,6 +339,16 @@ def show(
     _print_record(record)
 
 
+def _recipe_text(recipe: dict) -> str:
+    """A variant's weights in words: "gptq, 4-bit weights in groups of 128", "fp16, float16
+    weights" (a recipe with no bit width keeps its dtype)."""
+    scheme = recipe.get("scheme", "?")
+    if recipe.get("bits") is None:
+        return f"{scheme}, {recipe.get('dtype') or 'unquantized'} weights"
+    groups = f" in groups of {recipe['group_size']}" if recipe.get("group_size") else ""
+    return f"{scheme}, {recipe['bits']}-bit weights{groups}"
+
+
 def _print_record(record: dict) -> None:
     state = "production" if record["production"] else "not production"
     if record.get("canary"):
@@ -358,13 +368,17 @@ def _print_record(record: dict) -> None:
         tools = ", ".join(
             f"{k} {v}" for k, v in sorted((variant.get("tool_versions") or {}).items())
         )
-        _say(f"  variant {name}: {recipe.get('scheme', '?')} {recipe.get('bits', '')}-bit; {tools}")
+        _say(f"  variant {name}: {_recipe_text(recipe)}" + (f"; {tools}" if tools else ""))
     selection = record.get("selection") or {}
     for line in selection.get("why", []):
         _say(f"  {line.replace('**', '')}")
     for name, m in (record.get("measurements") or {}).items():
         serving = m.get("serving") or {}
-        parts = [f"quality {m['quality_share']:.1%}"] if m.get("quality_share") is not None else []
+        parts = []
+        if m.get("quality_share") is not None:
+            low, high = m.get("quality_share_ci95") or (None, None)
+            interval = "" if low is None else f" [{low:.1%}, {high:.1%}]"
+            parts.append(f"quality {m['quality_share']:.1%}{interval}")
         for metric, scale, unit in (("ttft_s", 1e3, "ms TTFT"), ("tpot_s", 1e3, "ms/token"),
                                     ("throughput_tok_s", 1, "tok/s")):  # fmt: skip
             if metric in serving:

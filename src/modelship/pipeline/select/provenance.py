@@ -34,12 +34,14 @@ def provenance_record(
             "weights": weights,
             "gates": ranking.gates.__dict__,
             "min_effect": ranking.min_effect,
+            "bootstrap": ranking.bootstrap,
             "why": explain(scores, weights),
             "ranking": [
                 {
                     "variant": s.variant,
                     "passed": s.passed,
                     "gate_failures": s.reasons,
+                    "gate_warnings": s.warnings,
                     "score": s.score,
                     "group_scores": s.group_scores,
                 }
@@ -58,6 +60,10 @@ def _measurement(evaluation: dict[str, Any]) -> dict[str, Any]:
     record: dict[str, Any] = {
         "quality": evaluation.get("quality"),
         "quality_share": evaluation.get("quality_share"),
+        "quality_share_ci95": evaluation.get("quality_share_ci95"),
+        "quality_share_differences": evaluation.get("quality_share_differences"),
+        "quality_ci95": evaluation.get("quality_ci95"),
+        "degeneration": evaluation.get("degeneration"),
         "weight_bytes": evaluation.get("weight_bytes"),
         "load_error": evaluation.get("load_error"),
     }

@@ -6,7 +6,8 @@ requests do. Against the base model, on held-out text never used for calibration
 perplexity, top-1 agreement and KL(base || variant) per token. On the task set written
 in this repo (`tasks.jsonl`): multiple choice by the summed logprob of each choice, and
 exact match by whether greedy decoding reproduces the answer token by token. Tool-call
-success is generated, not teacher-forced (`tool_use.py`).
+success is generated, not teacher-forced (`tool_use.py`). Each item's own numbers are kept
+(`QualityItems`) for the bootstrap intervals of `intervals.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -72,6 +73,20 @@ class Scorer:
 
 
 @dataclass
+class QualityItems:
+    """Each item's own numbers, what the paired bootstrap (`intervals.py`) resamples: per
+    held-out passage its summed nats, tokens, top-1 agreements and KL; per task item and
+    per tool request whether the variant got it right."""
+
+    passage_nll: list[float]
+    passage_tokens: list[int]
+    passage_agree: list[int]
+    passage_kl: list[float]
+    task_correct: list[bool]
+    tool_correct: list[bool]
+
+
+@dataclass
 class QualityResult:
     perplexity: float
     top1_agreement: float  # share of positions where argmax equals the base's
@@ -82,9 +97,10 @@ class QualityResult:
     num_task_items: int
     tool_call_success: float | None = None  # share of `tool_use` tasks called right
     num_tool_tasks: int = 0
+    items: QualityItems | None = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "items": None if self.items is None else asdict(self.items)}
 
 
 class Reference:
@@ -114,21 +130,25 @@ def measure_quality(
     tasks: list[TaskItem],
     tool_tasks: list[ToolTask] | None = None,
 ) -> QualityResult:
-    nll, agree, kl, count = 0.0, 0, 0.0, 0
+    items = QualityItems([], [], [], [], [], [])
     for chunk, base_lp, lp in zip(
         reference.chunks, reference.logprobs, scorer.logprobs(reference.chunks), strict=True
     ):
         targets = torch.tensor(chunk[1:])
-        nll -= lp.gather(1, targets[:, None]).sum().item()
         base = base_lp.float()
-        agree += (lp.argmax(-1) == base.argmax(-1)).sum().item()
-        kl += (base.exp() * (base - lp)).sum().item()
-        count += len(targets)
+        items.passage_nll.append(-lp.gather(1, targets[:, None]).sum().item())
+        items.passage_tokens.append(len(targets))
+        items.passage_agree.append(int((lp.argmax(-1) == base.argmax(-1)).sum().item()))
+        items.passage_kl.append((base.exp() * (base - lp)).sum().item())
+    nll, agree = sum(items.passage_nll), sum(items.passage_agree)
+    kl, count = sum(items.passage_kl), sum(items.passage_tokens)
     correct: dict[str, list[bool]] = {}
-    for item, ok in zip(tasks, score_tasks(scorer, tasks), strict=True):
+    items.task_correct = score_tasks(scorer, tasks)
+    for item, ok in zip(tasks, items.task_correct, strict=True):
         correct.setdefault(item.kind, []).append(ok)
-    all_ok = [ok for oks in correct.values() for ok in oks]
+    all_ok = items.task_correct
     called = score_tool_calls(scorer.engine, tool_tasks) if tool_tasks else []
+    items.tool_correct = called
     return QualityResult(
         perplexity=math.exp(nll / count) if nll / count < 700 else math.inf,
         top1_agreement=agree / count,
@@ -139,6 +159,7 @@ def measure_quality(
         num_task_items=len(all_ok),
         tool_call_success=sum(called) / len(called) if called else None,
         num_tool_tasks=len(called),
+        items=items,
     )
 
 

@@ -1,8 +1,8 @@
 """The selection report: why the winner won and why each other variant lost.
 
 Written into the release as `report.md`, `report.html` and `report.svg` (quality share
-against throughput, the winner marked). Plain text, tables and one hand-drawn SVG: the
-report must render anywhere without a plotting library.
+against throughput with error bars and the gate, `report_plot.py`). Plain text, tables and
+one hand-drawn SVG: the report must render anywhere without a plotting library.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from modelship.pipeline.select.scoring import METRICS, Ranking, VariantScore, tie_at_top
+from modelship.pipeline.select.report_plot import plot_svg
+from modelship.pipeline.select.scoring import METRICS, Gates, Ranking, VariantScore, tie_at_top
 
 # metric -> (label, format of the raw value)
 _LABELS = {
@@ -53,6 +54,14 @@ def _half_width(evaluation: dict[str, Any], metric: str) -> float | None:
     return ((evaluation.get("serving") or {}).get("ci") or {}).get(metric)
 
 
+def _with_interval(value: float, interval: list[float] | None, style: str) -> str:
+    """A bootstrap-measured value with its 95% interval (not symmetric, so both ends)."""
+    if interval is None:
+        return style.format(value)
+    low, high = interval
+    return f"{style.format(value)} [{style.format(low)}, {style.format(high)}]"
+
+
 def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
     """One sentence per variant: the winner's edge, each loser's gap or gate."""
     winner = scores[0]
@@ -60,6 +69,7 @@ def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
         f"**{winner.variant}** won with score {winner.score:.3f} "
         f"({_contributions(winner, weights)})."
     ]
+    lines += _warnings(winner)
     tied, decided_by = tie_at_top(scores, weights)
     if tied:
         others = ", ".join(f"**{name}**" for name in tied[1:])
@@ -76,6 +86,7 @@ def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
         if not score.passed:
             lines.append(f"**{score.variant}** was gated out: {'; '.join(score.reasons)}.")
             continue
+        lines += _warnings(score)
         gaps = {
             group: weights.get(group, 0.0)
             * (winner.group_scores.get(group, 0.0) - score.group_scores.get(group, 0.0))
@@ -91,6 +102,10 @@ def explain(scores: list[VariantScore], weights: dict[str, float]) -> list[str]:
             text += " and gained " + ", ".join(f"{-gaps[g]:.3f} on {g}" for g in ahead)
         lines.append(text + ".")
     return lines
+
+
+def _warnings(score: VariantScore) -> list[str]:
+    return [f"**{score.variant}** passed with a warning: {text}." for text in score.warnings]
 
 
 def _contributions(score: VariantScore, weights: dict[str, float]) -> str:
@@ -109,7 +124,11 @@ def metric_rows(
         cells = [_LABELS[metric][0]]
         for score in scores:
             evaluation = evaluations[score.variant]
-            value = _fmt(metric, _raw(evaluation, metric), _half_width(evaluation, metric))
+            raw = _raw(evaluation, metric)
+            if metric == "quality" and raw is not None:
+                value = _with_interval(raw, evaluation.get("quality_share_ci95"), "{:.1%}")
+            else:
+                value = _fmt(metric, raw, _half_width(evaluation, metric))
             normalized = score.normalized.get(metric)
             cells.append(value if normalized is None else f"{value} ({normalized:.2f})")
         rows.append(cells)
@@ -130,10 +149,13 @@ def _rounds_note(scores: list[VariantScore], evaluations: dict[str, dict[str, An
 
 
 def quality_rows(names: list[str], evaluations: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Every quality measure per variant with its 95% bootstrap interval, the quality
+    share's paired difference from the first variant (the winner), and the golden
+    prompts' degeneration shares."""
     fields = [
         ("perplexity (held-out)", "perplexity", "{:.2f}"),
         ("top-1 agreement with base", "top1_agreement", "{:.1%}"),
-        ("KL(base || variant), nats/token", "kl_divergence", "{:.4f}"),
+        ("KL divergence from base, nats/token", "kl_divergence", "{:.4f}"),
         ("task accuracy", "task_accuracy", "{:.1%}"),
         ("tool-call success", "tool_call_success", "{:.1%}"),
     ]
@@ -141,86 +163,119 @@ def quality_rows(names: list[str], evaluations: dict[str, dict[str, Any]]) -> li
     for label, key, style in fields:
         cells = [label]
         for name in names:
-            value = (evaluations[name].get("quality") or {}).get(key)
-            cells.append("-" if value is None else style.format(value))
+            evaluation = evaluations[name]
+            value = (evaluation.get("quality") or {}).get(key)
+            interval = (evaluation.get("quality_ci95") or {}).get(key)
+            cells.append("-" if value is None else _with_interval(value, interval, style))
+        rows.append(cells)
+    share_row, difference_row = ["quality share of base"], []
+    reference = next((n for n in names if "quality_share" in evaluations[n]), None)
+    if reference is not None:
+        difference_row = [f"quality share minus {reference}'s (paired)"]
+    for name in names:
+        evaluation = evaluations[name]
+        share = evaluation.get("quality_share")
+        share_row.append(
+            "-"
+            if share is None
+            else _with_interval(share, evaluation.get("quality_share_ci95"), "{:.1%}")
+        )
+        if difference_row:
+            difference = (evaluation.get("quality_share_differences") or {}).get(reference)
+            difference_row.append(
+                "-"
+                if difference is None
+                else _with_interval(difference["value"], difference["ci95"], "{:+.1%}")
+            )
+    rows += [share_row] + ([difference_row] if difference_row else [])
+    for label, key in (
+        ("repeated 4-grams, all golden prompts", "repetition"),
+        ("printable characters, all golden prompts", "printable"),
+    ):
+        cells = [label]
+        for name in names:
+            measured = (evaluations[name].get("degeneration") or {}).get(key)
+            cells.append(
+                "-"
+                if measured is None
+                else _with_interval(measured["value"], measured["ci95"], "{:.1%}")
+            )
         rows.append(cells)
     return rows
 
 
-def plot_svg(scores: list[VariantScore], evaluations: dict[str, dict[str, Any]]) -> str:
-    """Quality share (y) against throughput (x), one labelled point per measured variant."""
-    points = []
-    for score in scores:
-        evaluation = evaluations[score.variant]
-        x, y = _raw(evaluation, "throughput_tok_s"), evaluation.get("quality_share")
-        if x is not None and y is not None:
-            points.append((score.variant, x, y, score is scores[0], score.passed))
-    width, height, pad = 520, 340, 56
-    if not points:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"/>'
-    xs = [p[1] for p in points]
-    ys = [p[2] for p in points]
-    x_lo, x_hi = min(xs) * 0.9, max(xs) * 1.1 or 1.0
-    y_lo, y_hi = min(min(ys), 0.85) - 0.02, max(max(ys), 1.0) + 0.02
-
-    def sx(v: float) -> float:
-        return pad + (v - x_lo) / max(x_hi - x_lo, 1e-9) * (width - 2 * pad)
-
-    def sy(v: float) -> float:
-        return height - pad - (v - y_lo) / max(y_hi - y_lo, 1e-9) * (height - 2 * pad)
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="12">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
-        f'stroke="black"/>',
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>',
-        f'<text x="{width / 2}" y="{height - 16}" text-anchor="middle">'
-        f"output tok/s under load</text>",
-        f'<text x="16" y="{height / 2}" transform="rotate(-90 16 {height / 2})" '
-        f'text-anchor="middle">quality share of base</text>',
-    ]
-    for value in (x_lo, (x_lo + x_hi) / 2, x_hi):
-        parts.append(
-            f'<text x="{sx(value):.1f}" y="{height - pad + 16}" text-anchor="middle">'
-            f"{value:.1f}</text>"
-        )
-    for value in (y_lo, (y_lo + y_hi) / 2, y_hi):
-        parts.append(
-            f'<text x="{pad - 6}" y="{sy(value) + 4:.1f}" text-anchor="end">{value:.0%}</text>'
-        )
-    for name, x, y, is_winner, passed in points:
-        color = "#1a7f37" if is_winner else ("#555555" if passed else "#cf222e")
-        radius = 8 if is_winner else 5
-        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{radius}" fill="{color}"/>')
-        label = html.escape(name + (" (winner)" if is_winner else "" if passed else " (gated)"))
-        parts.append(f'<text x="{sx(x) + 10:.1f}" y="{sy(y) - 8:.1f}">{label}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+def offending_outputs(
+    names: list[str], evaluations: dict[str, dict[str, Any]], gates: Gates
+) -> list[str]:
+    """One line per golden output past a degeneration gate on its own: the variant, the
+    prompt, its shares and the output itself."""
+    lines = []
+    for name in names:
+        serving = evaluations[name].get("serving") or {}
+        outputs = serving.get("golden_outputs") or []
+        for check, answer, text in zip(
+            serving.get("golden_checks") or [], serving.get("golden") or [], outputs, strict=False
+        ):
+            repetition = check["repeated_ngrams"] / check["ngrams"] if check["ngrams"] else 0.0
+            printable = check["printable_chars"] / check["chars"] if check["chars"] else 0.0
+            if repetition <= gates.max_repetition and printable >= gates.min_printable:
+                continue
+            shown = text if len(text) <= 300 else text[:300] + "..."
+            lines.append(
+                f"- {name}, {answer['prompt']!r}: {repetition:.0%} repeated 4-grams, "
+                f"{printable:.0%} printable: {shown!r}"
+            )
+    return lines
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+    """A pipe table; a pipe inside a cell is escaped (`\\|`), as Markdown reads it."""
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *(line(row) for row in rows)])
+
+
+def normalization_note(weights: dict[str, float], gates: Gates) -> str:
+    """How a score is computed (`scoring.score_variants`), in one paragraph with formulas."""
+    gate = gates.min_quality_share
+    example = min(gate + (1 - gate) * 0.59, 1.0)
+    weights_text = " + ".join(f"{w:.2f} x {g}" for g, w in sorted(weights.items()))
+    return (
+        "How scores are computed: each metric is normalized to 0..1 among the variants that "
+        f"passed the gates. Quality share q is on a fixed scale anchored at the gate: "
+        f"(q - {gate:.0%}) / (100% - {gate:.0%}), clipped to 0..1, so the gate scores 0 and "
+        f"the base's quality 1 (q = {example:.1%} scores 0.59). Every other metric v is "
+        "min-max scaled across those variants: (v - min) / (max - min) where higher is "
+        "better (throughput), (max - v) / (max - min) where lower is better (TTFT, time per "
+        "output token, weight bytes, peak RSS); all 1 when they are equal or only one variant "
+        "passed. So the whole spread among survivors is worth a metric's full weight, however "
+        "small it is, while quality is priced by its distance from the gate. A variant tied "
+        "within noise with a better one (serving: 95% intervals overlap or the gap is under "
+        "the minimum effect; quality: the paired interval of the difference holds 0) scores "
+        "as that one. A group (quality, latency, throughput, memory) scores the mean of its "
+        f"metrics, and the score is the weighted sum: {weights_text}."
+    )
 
 
 def write_report(folder: Path, slug: str, release: int, ranking: Ranking) -> None:
     scores, evaluations = ranking.scores, ranking.evaluations
     weights, gates = ranking.weights, ranking.gates
     names = [s.variant for s in scores]
-    header = ["metric (mean +/- 95% CI, normalized 0..1)", *names]
+    header = ["metric (mean +/- 95% CI or [95% interval], normalized 0..1)", *names]
     weight_text = ", ".join(f"{g} {w:.2f}" for g, w in weights.items())
     gate_text = (
         f"loads and serves; quality share >= {gates.min_quality_share:.0%}; repeated 4-grams "
-        f"on golden prompts <= {gates.max_repetition:.0%}; printable output >= "
-        f"{gates.min_printable:.0%}"
+        f"over all golden prompts <= {gates.max_repetition:.0%}; printable output >= "
+        f"{gates.min_printable:.0%}. A gate fails a variant only when the whole 95% interval "
+        "lies past it; an interval that straddles it passes with a warning"
     )
     sections = [
         f"# Selection report: {slug}, release {release}",
         "\n".join(f"- {line}" for line in explain(scores, weights)),
         f"Weights: {weight_text}. Gates: {gate_text}.",
+        normalization_note(weights, gates),
         "## Scores\n\n"
         + _markdown_table(
             ["variant", "passed", "score", *sorted(weights)],
@@ -241,6 +296,14 @@ def write_report(folder: Path, slug: str, release: int, ranking: Ranking) -> Non
         "gate results; `modelship release show` adds the canary history): "
         "[provenance.json](provenance.json)",
     ]
+    offending = offending_outputs(names, evaluations, gates)
+    if offending:
+        sections.append(
+            "## Golden outputs past a degeneration gate on their own\n\n"
+            "The gates read the shares over all golden prompts together (with their "
+            "intervals); these single outputs were past a gate by themselves.\n\n"
+            + "\n".join(offending)
+        )
     golden = [
         f"- {name}: {evaluations[name]['serving']['golden_outputs'][0]!r}"
         for name in names
@@ -249,13 +312,20 @@ def write_report(folder: Path, slug: str, release: int, ranking: Ranking) -> Non
     if golden:
         sections.append("## First golden prompt, greedy\n\n" + "\n".join(golden))
     markdown = "\n\n".join(sections) + "\n"
-    svg = plot_svg(scores, evaluations)
+    svg = plot_svg(scores, evaluations, gates.min_quality_share)
     (folder / "report.md").write_text(markdown)
     (folder / "report.svg").write_text(svg)
     (folder / "report.html").write_text(_html(markdown, svg, slug, release))
 
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s\"]+)\)")
+_CELL_BORDER = re.compile(r"(?<!\\)\|")  # a pipe that is not escaped
+
+
+def table_cells(line: str) -> list[str]:
+    """The cells of one Markdown table row, escaped pipes restored."""
+    inner = line.strip()[1:-1]
+    return [cell.strip().replace("\\|", "|") for cell in _CELL_BORDER.split(inner)]
 
 
 def _html(markdown: str, svg: str, slug: str, release: int) -> str:
@@ -280,7 +350,7 @@ def _html(markdown: str, svg: str, slug: str, release: int) -> str:
 
     for line in markdown.splitlines():
         if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
+            cells = table_cells(line)
             if not all(set(c) <= {"-"} for c in cells):
                 table.append(cells)
             continue

@@ -8,16 +8,17 @@ published as `releases/<n>/` (its files hard-linked, plus `production_metrics.js
 the report) and `production` is switched to it atomically; a rerun that would choose the
 same thing from the same evaluations publishes nothing.
 
-Quality share of the base (what the quality gate and score read) is the mean of two
-retentions: task-set accuracy (variant / base; 1 when the base scores 0) and held-out
-cross-entropy (base nats per token / variant nats per token). Top-1 agreement and KL
-divergence against the base are reported next to it as fidelity diagnostics.
+Quality share of the base (what the quality gate and score read) is the mean of the
+task-accuracy, cross-entropy and tool-call retentions (`intervals.py`), each quality number
+with a 95% interval from a bootstrap over the items it was measured on, paired between the
+variants (the same resamples for all, seeded: the same evaluations give the same
+intervals). Top-1 agreement and KL divergence against the base are reported next to it as
+fidelity diagnostics.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from typing import Any
 from modelship.config import ModelshipConfig
 from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
+from modelship.pipeline.select import intervals
 from modelship.pipeline.select import quality as q
+from modelship.pipeline.select.bootstrap import Resampler
 from modelship.pipeline.select.provenance import provenance_record
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
@@ -56,8 +59,9 @@ from modelship.storage import (
 )
 
 # Bumped when what select measures changes, so memoized evaluations are redone.
-# 2: interleaved rounds with confidence intervals; 3: tool-call success in the quality share
-SELECT_CODE_VERSION = 3
+# 2: interleaved rounds with confidence intervals; 3: tool-call success in the quality share;
+# 4: per-item quality records and per-prompt golden checks, for bootstrap intervals
+SELECT_CODE_VERSION = 4
 BASE = "base"
 
 Log = Callable[[str], None]
@@ -132,15 +136,21 @@ def select(
     base_eval = evaluations[BASE]
     if base_eval.get("load_error"):
         raise PipelineError(f"the base model could not be measured: {base_eval['load_error']}")
-    measurements = [_measurement(evaluations[v], base_eval) for v in variants]
+    resampler = Resampler()
+    try:
+        estimates = intervals.estimate(
+            {v: evaluations[v] for v in [BASE, *variants]}, BASE, resampler
+        )
+    except ValueError as exc:
+        raise PipelineError(f"quality intervals: {exc}") from exc
+    measurements = [_measurement(evaluations[v], estimates.get(v)) for v in variants]
     weights = weights_for(config.select.preset, dict(config.select.weights))
     gates = Gates(**config.select.gates.model_dump())
     scores = score_variants(measurements, weights, gates, config.select.min_effect)
+    _annotate(evaluations, estimates, [BASE, *variants])
     for score in scores:
-        evaluation = evaluations[score.variant]
-        evaluation["quality_share"] = next(
-            m.metrics.get("quality") for m in measurements if m.variant == score.variant
-        )
+        for warning in score.warnings:
+            log(f"{score.variant}: passed with a warning: {warning}")
     winner = scores[0]
     if not winner.passed:
         reasons = "; ".join(f"{s.variant}: {', '.join(s.reasons)}" for s in scores)
@@ -151,8 +161,11 @@ def select(
         "weights": weights,
         "gates": gates.__dict__,
         "min_effect": config.select.min_effect,
+        "bootstrap": bootstrap_settings(resampler),
     }
-    ranking = Ranking(scores, evaluations, weights, gates, config.select.min_effect)
+    ranking = Ranking(
+        scores, evaluations, weights, gates, config.select.min_effect, selection["bootstrap"]
+    )
     release, new = _publish_release(storage, slug, ranking, hash_inputs(selection), log)
     return SelectionResult(
         winner.variant, release, new, scores, evaluations, time.perf_counter() - started
@@ -237,27 +250,29 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
-def quality_share(evaluation: dict, base: dict) -> float:
-    """Mean of task-accuracy retention, cross-entropy retention and (where the base calls
-    any tool right) tool-call-success retention, against the base."""
-    mine, ref = evaluation["quality"], base["quality"]
-    tasks = 1.0 if ref["task_accuracy"] == 0 else mine["task_accuracy"] / ref["task_accuracy"]
-    entropy = math.log(ref["perplexity"]) / math.log(mine["perplexity"])
-    shares = [min(tasks, 1.0), min(entropy, 1.0)]
-    if ref.get("tool_call_success"):  # a base that calls nothing right gives no scale
-        shares.append(min((mine.get("tool_call_success") or 0.0) / ref["tool_call_success"], 1.0))
-    return sum(shares) / len(shares)
+def bootstrap_settings(resampler: Resampler) -> dict[str, Any]:
+    return {
+        "resamples": resampler.num_resamples,
+        "seed": resampler.seed,
+        "level": 0.95,
+        "pools": "held-out passages, task items, tool requests, golden prompts",
+    }
 
 
-def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
+def _measurement(
+    evaluation: dict, estimate: intervals.VariantIntervals | None
+) -> VariantMeasurement:
     m = VariantMeasurement(evaluation["variant"])
     if evaluation.get("load_error"):
         m.load_error = evaluation["load_error"]
         return m
+    if estimate is None or estimate.share is None:
+        m.load_error = "no quality measurement"
+        return m
     serving = evaluation["serving"]
     m.noise = dict(serving.get("ci") or {})
     m.metrics = {
-        "quality": quality_share(evaluation, base),
+        "quality": estimate.share.value,
         "ttft_s": serving["ttft_s"],
         "tpot_s": serving["tpot_s"],
         "throughput_tok_s": serving["throughput_tok_s"],
@@ -265,9 +280,47 @@ def _measurement(evaluation: dict, base: dict) -> VariantMeasurement:
     }
     if serving.get("peak_rss_bytes"):
         m.metrics["peak_rss_bytes"] = float(serving["peak_rss_bytes"])
-    m.repetition = serving["repetition"]
-    m.printable = serving["printable"]
+    m.quality_interval = estimate.share.interval
+    m.quality_replicates = estimate.share_replicates
+    for name in ("repetition", "printable"):
+        measured = getattr(estimate, name)
+        if measured is not None:
+            setattr(m, name, measured.value)
+            setattr(m, f"{name}_interval", measured.interval)
     return m
+
+
+def _annotate(
+    evaluations: dict[str, dict[str, Any]],
+    estimates: dict[str, intervals.VariantIntervals],
+    names: list[str],
+) -> None:
+    """Write the selection-time numbers into the evaluations the report and the release's
+    JSON show: every quality metric's interval, the quality share with its interval and its
+    paired difference from every other variant, and the pooled degeneration shares."""
+    for name in names:
+        estimate = estimates.get(name)
+        if estimate is None:
+            continue
+        evaluation = evaluations[name]
+        evaluation["quality_ci95"] = {
+            metric: measured.interval.to_list() for metric, measured in estimate.quality.items()
+        }
+        if estimate.share is not None:
+            evaluation["quality_share"] = estimate.share.value
+            evaluation["quality_share_ci95"] = estimate.share.interval.to_list()
+            evaluation["quality_share_differences"] = {
+                other: estimate.difference(estimates[other]).to_dict()
+                for other in names
+                if other != name and other in estimates and estimates[other].share is not None
+            }
+        degeneration = {
+            field: getattr(estimate, field).to_dict()
+            for field in ("repetition", "printable")
+            if getattr(estimate, field) is not None
+        }
+        if degeneration:
+            evaluation["degeneration"] = degeneration
 
 
 def _publish_release(storage, slug, ranking: Ranking, selection_hash, log) -> tuple[int, bool]:
@@ -292,6 +345,7 @@ def _publish_release(storage, slug, ranking: Ranking, selection_hash, log) -> tu
             "score": winner.score,
             "weights": ranking.weights,
             "gates": ranking.gates.__dict__,
+            "bootstrap": ranking.bootstrap,
             "ranking": [_score_dict(s) for s in scores],
             "evaluations": evaluations,
             "previous_release": current,
@@ -324,6 +378,7 @@ def _score_dict(score: VariantScore) -> dict[str, Any]:
         "variant": score.variant,
         "passed": score.passed,
         "reasons": score.reasons,
+        "warnings": score.warnings,
         "score": score.score,
         "group_scores": score.group_scores,
         "normalized": score.normalized,

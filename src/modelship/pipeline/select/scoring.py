@@ -6,21 +6,35 @@ the quality gate: the gate scores 0, the base's quality 1 (min-max would turn an
 small loss into a full point lost, however small). The other metrics are
 normalized min-max across the variants that passed the gates; for metrics where lower is
 better (latency, memory) the scale is flipped. With a single survivor, or when all
-survivors measure the same, every survivor scores 1 on that metric.
+survivors measure the same, every survivor scores 1 on that metric. A group's score is the
+mean of its metrics' normalized values, the total the weighted sum of the group scores
+(weights normalized to sum to 1); `report.normalization_note` states it for the reader.
 
-Serving metrics carry noise (95% half-widths from repeated rounds, `stats`). Variants whose
-values do not differ (`stats.differ`) from the best of their group score the same: walking
-from the best value down, each variant scores as the leader of its tie group. So a variant
-cannot win on a difference inside the noise, and two copies of the same weights tie. When
-the top scores are equal, the ranking falls to the groups in order of weight (quality first
-by default), then to the variant name, and `tie_at_top` says so.
+Gates read intervals where there are any: a gate fires only when the whole 95% interval
+is on the wrong side of it; an interval that straddles the gate passes with a warning.
+Quality's interval is a bootstrap over the items it was measured on (`intervals.py`);
+degeneration's over the golden prompts.
+
+Measured numbers carry noise, and a difference inside the noise is a tie: walking from the
+best value down, a variant that does not differ from the leader of its tie group scores as
+that leader (`tie_leaders`). Serving metrics (95% half-widths from repeated rounds) differ
+when their intervals do not overlap and the gap is at least `min_effect` (`stats.differ`);
+quality shares differ when the paired bootstrap interval of their difference (same
+resampled items for both) excludes zero. So a variant cannot win on noise, and two copies
+of the same weights tie. When the top scores are equal, the ranking falls to the groups in
+order of weight (quality first by default), then to the variant name, and `tie_at_top`
+says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from modelship.pipeline.select.bootstrap import Interval, paired_difference
 from modelship.pipeline.select.stats import differ
 
 # metric -> (group, higher_is_better)
@@ -55,7 +69,9 @@ class Gates:
 
 @dataclass
 class VariantMeasurement:
-    """What `select` measured for one variant (None: could not be measured)."""
+    """What `select` measured for one variant (None: could not be measured). An absent
+    interval means the number is exact; `quality_replicates` are the quality shares on the
+    bootstrap resamples shared by all variants (paired), absent when quality is exact."""
 
     variant: str
     metrics: dict[str, float] = field(default_factory=dict)
@@ -63,6 +79,10 @@ class VariantMeasurement:
     load_error: str | None = None
     repetition: float = 0.0
     printable: float = 1.0
+    quality_interval: Interval | None = None
+    quality_replicates: np.ndarray | None = None
+    repetition_interval: Interval | None = None
+    printable_interval: Interval | None = None
 
 
 @dataclass
@@ -73,6 +93,16 @@ class VariantScore:
     normalized: dict[str, float]  # metric -> 0..1
     group_scores: dict[str, float]  # group -> 0..1
     score: float
+    warnings: list[str] = field(default_factory=list)  # gates its interval straddles
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """Why a variant is gated out (`reasons`, empty: it passes) and which gates it passed
+    only because the interval straddles them (`warnings`)."""
+
+    reasons: list[str]
+    warnings: list[str]
 
 
 @dataclass(frozen=True)
@@ -85,6 +115,7 @@ class Ranking:
     weights: dict[str, float]
     gates: Gates
     min_effect: float = DEFAULT_MIN_EFFECT
+    bootstrap: dict[str, Any] = field(default_factory=dict)  # how quality intervals were drawn
 
     @property
     def winner(self) -> VariantScore:
@@ -105,26 +136,49 @@ def weights_for(preset: str | None, overrides: dict[str, float] | None = None) -
     return {group: w / total for group, w in weights.items()}
 
 
-def gate(measurement: VariantMeasurement, gates: Gates) -> list[str]:
-    """The reasons a variant is disqualified (empty list: it passes)."""
+def _percent(value: float, interval: Interval | None) -> str:
+    if interval is None:
+        return f"{value:.1%}"
+    return f"{value:.1%} (95% interval {interval.low:.1%}..{interval.high:.1%})"
+
+
+def gate(measurement: VariantMeasurement, gates: Gates) -> GateResult:
+    """Check every gate: a gate fails when the whole interval (or the exact value) is on the
+    wrong side of it, and warns when the interval straddles it."""
     if measurement.load_error is not None:
-        return [f"failed to load: {measurement.load_error}"]
-    reasons = []
-    quality = measurement.metrics.get("quality")
-    if quality is None or quality < gates.min_quality_share:
-        shown = "unmeasured" if quality is None else f"{quality:.1%}"
-        reasons.append(f"quality {shown} of the base, below the {gates.min_quality_share:.0%} gate")
-    if measurement.repetition > gates.max_repetition:
-        reasons.append(
-            f"degenerate output on golden prompts: {measurement.repetition:.0%} repeated "
-            f"4-grams (gate {gates.max_repetition:.0%})"
-        )
-    if measurement.printable < gates.min_printable:
-        reasons.append(
-            f"non-text output on golden prompts: {measurement.printable:.0%} printable "
-            f"characters (gate {gates.min_printable:.0%})"
-        )
-    return reasons
+        return GateResult([f"failed to load: {measurement.load_error}"], [])
+    reasons: list[str] = []
+    warnings: list[str] = []
+    m = measurement
+    quality = m.metrics.get("quality")
+    if quality is None:
+        reasons.append(f"quality unmeasured, below the {gates.min_quality_share:.0%} gate")
+    else:
+        shown = _percent(quality, m.quality_interval)
+        interval = m.quality_interval or Interval.exact(quality)
+        if interval.high < gates.min_quality_share:
+            reasons.append(
+                f"quality {shown} of the base, below the {gates.min_quality_share:.0%} gate"
+            )
+        elif interval.low < gates.min_quality_share:
+            warnings.append(
+                f"quality {shown} of the base straddles the {gates.min_quality_share:.0%} "
+                "gate: passed, as the interval does not lie below it"
+            )
+    interval = m.repetition_interval or Interval.exact(m.repetition)
+    text = f"{_percent(m.repetition, m.repetition_interval)} repeated 4-grams"
+    text += " over all golden prompts"
+    if interval.low > gates.max_repetition:
+        reasons.append(f"degenerate output: {text} (gate {gates.max_repetition:.0%})")
+    elif interval.high > gates.max_repetition:
+        warnings.append(f"{text} straddles the {gates.max_repetition:.0%} degeneration gate")
+    interval = m.printable_interval or Interval.exact(m.printable)
+    text = f"{_percent(m.printable, m.printable_interval)} printable characters on golden prompts"
+    if interval.high < gates.min_printable:
+        reasons.append(f"non-text output: {text} (gate {gates.min_printable:.0%})")
+    elif interval.low < gates.min_printable:
+        warnings.append(f"{text} straddles the {gates.min_printable:.0%} gate")
+    return GateResult(reasons, warnings)
 
 
 def normalize(values: dict[str, float], higher_is_better: bool) -> dict[str, float]:
@@ -137,21 +191,38 @@ def normalize(values: dict[str, float], higher_is_better: bool) -> dict[str, flo
 
 def tie_leaders(
     values: dict[str, float],
-    noise: dict[str, float],
     higher_is_better: bool,
-    min_effect: float,
+    differs: Callable[[str, str], bool],
 ) -> dict[str, str]:
     """variant -> the best variant of its tie group: from the best value down, a variant
-    that does not differ from the current leader joins its group, else leads a new one."""
+    that does not differ from the current leader (`differs(leader, variant)`) joins its
+    group, else leads a new one."""
     leaders: dict[str, str] = {}
     leader = None
     for name in sorted(values, key=lambda n: (values[n], n), reverse=higher_is_better):
-        if leader is None or differ(
-            values[leader], noise[leader], values[name], noise[name], min_effect
-        ):
+        if leader is None or differs(leader, name):
             leader = name
         leaders[name] = leader
     return leaders
+
+
+def serving_differs(
+    values: dict[str, float], noise: dict[str, float], min_effect: float
+) -> Callable[[str, str], bool]:
+    """Whether two variants' values of one serving metric differ (`stats.differ`)."""
+
+    def differs(a: str, b: str) -> bool:
+        return differ(values[a], noise[a], values[b], noise[b], min_effect)
+
+    return differs
+
+
+def quality_differs(a: VariantMeasurement, b: VariantMeasurement) -> bool:
+    """Whether two variants' quality shares differ: the paired bootstrap interval of the
+    difference excludes zero; without replicates (exact numbers), whether they are unequal."""
+    if a.quality_replicates is None or b.quality_replicates is None:
+        return a.metrics["quality"] != b.metrics["quality"]
+    return paired_difference(a.quality_replicates, b.quality_replicates).excludes(0.0)
 
 
 def score_variants(
@@ -161,34 +232,42 @@ def score_variants(
     min_effect: float = DEFAULT_MIN_EFFECT,
 ) -> list[VariantScore]:
     """Gate, normalize and weight; returns scores sorted best first (failed ones last)."""
-    reasons = {m.variant: gate(m, gates) for m in measurements}
-    survivors = [m for m in measurements if not reasons[m.variant]]
+    results = {m.variant: gate(m, gates) for m in measurements}
+    survivors = [m for m in measurements if not results[m.variant].reasons]
+    by_name = {m.variant: m for m in survivors}
     normalized: dict[str, dict[str, float]] = {m.variant: {} for m in measurements}
     for metric, (_, higher_is_better) in METRICS.items():
         values = {m.variant: m.metrics[metric] for m in survivors if metric in m.metrics}
+        if not values:
+            continue
         if metric == "quality":
             span = max(1.0 - gates.min_quality_share, 1e-9)
-            for variant, value in values.items():
-                share = (value - gates.min_quality_share) / span
-                normalized[variant][metric] = min(max(share, 0.0), 1.0)
-        elif values:
-            noise = {m.variant: m.noise.get(metric, 0.0) for m in survivors if m.variant in values}
+            scaled = {
+                variant: min(max((value - gates.min_quality_share) / span, 0.0), 1.0)
+                for variant, value in values.items()
+            }
+            leaders = tie_leaders(
+                values, True, lambda a, b: quality_differs(by_name[a], by_name[b])
+            )
+        else:
+            noise = {name: by_name[name].noise.get(metric, 0.0) for name in values}
             effect = min_effect if metric in NOISY_METRICS else 0.0
-            leaders = tie_leaders(values, noise, higher_is_better, effect)
+            leaders = tie_leaders(values, higher_is_better, serving_differs(values, noise, effect))
             scaled = normalize(values, higher_is_better)
-            for variant in values:
-                normalized[variant][metric] = scaled[leaders[variant]]
+        for variant in values:
+            normalized[variant][metric] = scaled[leaders[variant]]
     scores = []
     for m in measurements:
         groups: dict[str, list[float]] = {}
         for metric, value in normalized[m.variant].items():
             groups.setdefault(METRICS[metric][0], []).append(value)
         group_scores = {group: sum(v) / len(v) for group, v in groups.items()}
-        passed = not reasons[m.variant]
+        result = results[m.variant]
+        passed = not result.reasons
         total = sum(weights.get(g, 0.0) * s for g, s in group_scores.items()) if passed else 0.0
         scores.append(
-            VariantScore(m.variant, passed, reasons[m.variant], normalized[m.variant],
-                         group_scores, total)
+            VariantScore(m.variant, passed, result.reasons, normalized[m.variant],
+                         group_scores, total, result.warnings)
         )  # fmt: skip
     by_weight = sorted(weights, key=lambda g: (-weights[g], g))
     return sorted(

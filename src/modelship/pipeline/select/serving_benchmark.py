@@ -9,7 +9,9 @@ throughput trial under `concurrency` streams, both with the shared load generato
 (`modelship.loadgen`). Rounds go on until every variant's metrics have 95% intervals
 within `ci_target` of their means (after `min_rounds`), or `max_rounds` or the time budget
 ends them. Then the golden prompts go through the chat API with greedy decoding and their
-outputs are checked for degenerate text (repeated 4-grams, non-printable characters); peak
+outputs are checked for degenerate text: per prompt, how many of its 4-grams repeat an
+earlier one and how many of its characters are printable (`GoldenCheck`), pooled over all
+prompts into the shares the gates read (their intervals come from `intervals.py`); peak
 RSS is each replica process's high-water mark after all of it.
 """
 
@@ -64,25 +66,30 @@ class ServingResult:
     failed_requests: int
     golden_outputs: list[str]
     golden: list[dict]  # `golden.GoldenAnswer`s: the reference a release's replicas are probed with
-    repetition: float
-    printable: float
+    golden_checks: list[dict]  # one `GoldenCheck` per golden prompt, in the order of the outputs
+    repetition: float  # repeated 4-grams / all 4-grams, over all golden outputs together
+    printable: float  # printable characters / all characters, over all golden outputs together
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def repeated_ngram_share(token_ids: list[int], n: int = 4) -> float:
-    """Share of n-grams that already occurred earlier in the same text (0 = no loops)."""
-    grams = [tuple(token_ids[i : i + n]) for i in range(len(token_ids) - n + 1)]
-    if not grams:
-        return 0.0
-    return 1.0 - len(set(grams)) / len(grams)
+@dataclass(frozen=True)
+class GoldenCheck:
+    """One golden output's degeneration counts: of its n-grams (token 4-grams), how many
+    already occurred earlier in the same output (a loop repeats them); of its characters,
+    how many are printable (newline and tab count as printable)."""
 
+    repeated_ngrams: int
+    ngrams: int
+    printable_chars: int
+    chars: int
 
-def printable_share(text: str) -> float:
-    if not text:
-        return 0.0
-    return sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text)
+    @classmethod
+    def of(cls, text: str, token_ids: list[int], n: int = 4) -> GoldenCheck:
+        grams = [tuple(token_ids[i : i + n]) for i in range(len(token_ids) - n + 1)]
+        printable = sum(ch.isprintable() or ch in "\n\t" for ch in text)
+        return cls(len(grams) - len(set(grams)), len(grams), printable, len(text))
 
 
 @dataclass
@@ -224,7 +231,11 @@ def _finish(
         raise RuntimeError(f"no round measured {', '.join(missing)}")
     answers = asyncio.run(_golden(candidate.replica.url))
     outputs = [answer.text for answer in answers]
-    ids = [tokenizer(text, add_special_tokens=False).input_ids for text in outputs]
+    checks = [
+        GoldenCheck.of(text, tokenizer(text, add_special_tokens=False).input_ids)
+        for text in outputs
+    ]
+    ngrams, chars = sum(c.ngrams for c in checks), sum(c.chars for c in checks)
     return ServingResult(
         ttft_s=estimates["ttft_s"].mean,
         tpot_s=estimates["tpot_s"].mean,
@@ -239,8 +250,9 @@ def _finish(
         failed_requests=candidate.failed_requests,
         golden_outputs=outputs,
         golden=[asdict(answer) for answer in answers],
-        repetition=max(repeated_ngram_share(t) for t in ids),
-        printable=min(printable_share(text) for text in outputs),
+        golden_checks=[asdict(check) for check in checks],
+        repetition=sum(c.repeated_ngrams for c in checks) / ngrams if ngrams else 0.0,
+        printable=sum(c.printable_chars for c in checks) / chars if chars else 0.0,
     )
 
 

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Rope variants `rope.py` implements; anything else is refused when the config is read.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Rope variants `layers.py` implements; anything else is refused when the config is read.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Older Phi-3 configs call LongRoPE "su".
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
 # Architectures whose q and k pass an RMSNorm before RoPE: per head (Qwen3) or over the
 # whole projection, all heads together (OLMoE).
 _QK_NORM = {
@@ -114,12 +116,15 @@ class ModelConfig:
                 f"rope_type {self.rope_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type == "longrope":
+            _check_longrope(self.rope_scaling or {}, self.head_dim)
 
     @property
     def rope_type(self) -> str:
         if self.rope_scaling is None:
             return "default"
-        return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+        kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+        return _ROPE_TYPE_ALIASES.get(kind, kind)
 
     @property
     def q_size(self) -> int:
@@ -167,6 +172,18 @@ class ModelConfig:
             "default",
         ):
             scaling = None
+        if scaling is not None:
+            scaling = dict(scaling)  # filled in below; the caller's dict stays as it was
+        if scaling is not None and "original_max_position_embeddings" in raw:
+            # Phi-3 keeps LongRoPE's pretraining length beside `max_position_embeddings`;
+            # as in transformers, that field wins over one inside the scaling dict
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        # Only whole-head RoPE is implemented (Phi-4-mini rotates 3/4 of each head)
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if float(partial or 1.0) != 1.0:
+            raise ModelConfigError(
+                f"{origin}: partial_rotary_factor {partial} is not supported (only 1.0)"
+            )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -207,6 +224,20 @@ class ModelConfig:
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc
+
+
+def _check_longrope(scaling: dict[str, Any], head_dim: int) -> None:
+    """LongRoPE needs one short and one long factor per rotated frequency and the
+    pretraining length at which the long ones take over."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ModelConfigError(
+                f"rope_scaling.{key} must list head_dim / 2 = {head_dim // 2} numbers, "
+                f"got {factors!r:.60}"
+            )
+    if not scaling.get("original_max_position_embeddings"):
+        raise ModelConfigError("longrope needs 'original_max_position_embeddings'")
 
 
 def _moe_config(raw: dict[str, Any], architecture: str, need: Any) -> MoEConfig | None:

@@ -1,6 +1,7 @@
 """The Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, SmolLM,
-TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim);
-GQA, tied embeddings. With `moe.py`'s routed MLP in some or all layers: Mixtral, OLMoE
+TinyLlama, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and
+Phi-3/Phi-4 (fused checkpoint tensors split by the loader, LongRoPE in `layers.py`); GQA,
+tied embeddings. With `moe.py`'s routed MLP in some or all layers: Mixtral, OLMoE
 (q/k RMSNorm over the whole projection, optional q/k/v clipping), Qwen2-MoE (shared
 expert) and Qwen3-MoE.
 

@@ -18,12 +18,14 @@ class UnsupportedModelError(ValueError):
 
 # One implementation covers the family: the differences are config flags (q/k/v bias,
 # per-head or whole-projection q/k norm, q/k/v clipping, explicit head_dim, rope scaling,
-# tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`).
+# tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`; Phi-3's
+# fused qkv_proj and gate_up_proj tensors are split by the loader).
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

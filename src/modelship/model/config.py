@@ -99,6 +99,13 @@ class ModelConfig:
     qk_norm_scope: str = "head"
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
     moe: MoEConfig | None = None  # None: a dense model
+    # Gemma 2: the MLP's activation, the attention scale's denominator (scale =
+    # query_pre_attn_scalar^-0.5 instead of head_dim^-0.5), tanh soft-capping of the
+    # attention scores and of the final logits (None: not capped)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -221,6 +228,10 @@ class ModelConfig:
                 qk_norm_scope=_QK_NORM.get(architecture, "head"),
                 clip_qkv=raw.get("clip_qkv"),
                 moe=_moe_config(raw, architecture, need),
+                hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+                query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+                attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+                final_logit_softcapping=raw.get("final_logit_softcapping"),
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc

@@ -6,6 +6,7 @@ import torch
 
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
+from modelship.model.gemma import Gemma2ForCausalLM
 from modelship.model.layers import LinearFactory
 from modelship.model.llama import LlamaForCausalLM
 
@@ -21,6 +22,7 @@ class UnsupportedModelError(ValueError):
 # tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`; Phi-3's
 # fused qkv_proj and gate_up_proj tensors are split by the loader).
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,  # sandwich norms, soft-capping: `gemma.py`
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,

@@ -1,0 +1,151 @@
+"""Gemma 2 (Gemma2ForCausalLM) against transformers on tiny random weights: scaled
+embeddings, (1 + weight) sandwich norms, GeGLU, query_pre_attn_scalar, attention and final
+logit soft-capping; the sliding window only where it never bites."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelship import LLM, SamplingParams
+from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
+from modelship.model.config import ModelConfigError
+
+from tiny_models import make_tokenizer
+
+BLOCK = 4
+
+
+def save_tiny_gemma2(folder: Path, **overrides) -> Path:
+    """A 2-layer random Gemma 2 (one sliding, one global layer) with a trained tokenizer.
+
+    Weights are scaled up so attention scores and logits reach the soft caps (transformers'
+    0.02-std init leaves them far below any cap), and norms randomized around their zero
+    offset.
+    """
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(folder)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=0.5,
+        max_position_embeddings=256,
+        sliding_window=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(**settings))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.1)
+            elif "q_proj" in name or "k_proj" in name:
+                param.mul_(8.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+BACKENDS = [
+    "sdpa",
+    pytest.param(
+        "cpu",  # the CPU kernel's metadata: the model reads K/V through it in PyTorch
+        marks=pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
+    ),
+]
+
+
+def random_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run(model, steps, block_table, backend):
+    """One request step by step through a paged cache: steps = [(token ids, start)]."""
+    caches = allocate_kv_cache(model.config, 32, BLOCK, torch.float32, "cpu")
+    outputs = []
+    for ids, start in steps:
+        meta = AttentionMetadata.build(
+            [len(ids)], [start + len(ids)], [block_table], BLOCK, "cpu", backend
+        )
+        positions = torch.arange(start, start + len(ids))
+        with torch.no_grad():
+            outputs.append(model.compute_logits(model(ids, positions, caches, meta)))
+    return torch.cat(outputs)
+
+
+def reference_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    # eager: transformers' SDPA path cannot soft-cap either
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_match_transformers(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = save_tiny_gemma2(tmp_path / "g")
+    with caplog.at_level(logging.INFO, logger="modelship.model.gemma"):
+        model = load_model(folder, dtype=torch.float32)
+    assert "attention runs in PyTorch ops" in caplog.text
+    assert model.lm_head is None  # tied embeddings
+    ids = random_ids(37, model.config.vocab_size)
+    reference = reference_model(folder)
+    with torch.no_grad():
+        expected = reference(ids.unsqueeze(0)).logits[0]
+    assert expected.abs().max() > 0.5 * 0.5  # the final cap (0.5) really bites
+
+    one_shot = run(model, [(ids, 0)], [5, 2, 9, 0, 7, 1, 12, 3, 4, 6], backend)
+    torch.testing.assert_close(one_shot, expected, atol=1e-4, rtol=1e-4)
+    steps = [(ids[:9], 0), (ids[9:30], 9), *[(ids[i : i + 1], i) for i in range(30, 37)]]
+    chunked = run(model, steps, [11, 3, 8, 0, 6, 2, 14, 9, 1, 20], backend)
+    torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_greedy_equals_generate_with_chunks_and_prefix_cache(tmp_path: Path) -> None:
+    folder = save_tiny_gemma2(tmp_path / "g")
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=8)
+    prompt = "Continuous batching schedules requests at iteration granularity. " * 2
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    second = llm.generate(prompt, params)[0]  # the prompt's blocks come from the prefix cache
+
+    reference = reference_model(folder)
+    prompt_ids = first.prompt_token_ids
+    with torch.no_grad():
+        generated = reference.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt_ids) :].tolist()
+    assert len(prompt_ids) > 8
+    assert first.outputs[0].token_ids == generated
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= len(prompt_ids) - 4
+    assert second.outputs[0].token_ids == generated
+
+
+def test_a_window_shorter_than_the_max_model_length_is_refused_by_name(tmp_path: Path) -> None:
+    folder = save_tiny_gemma2(tmp_path / "g", sliding_window=64)
+    with pytest.raises(ModelConfigError, match=r"max model length \(256\).*sliding_window \(64\)"):
+        load_model(folder, dtype=torch.float32)
+    model = load_model(folder, dtype=torch.float32, max_positions=64)  # the window never bites
+    assert model.config.sliding_window == 64

@@ -105,6 +105,7 @@ def test_logits_match_transformers(
         model = load_model(folder, dtype=torch.float32)
     assert "attention runs in PyTorch ops" in caplog.text
     assert model.lm_head is None  # tied embeddings
+    assert "walks the step's requests on the host" in model.graph_capture_error()
     ids = random_ids(37, model.config.vocab_size)
     reference = reference_model(folder)
     with torch.no_grad():
@@ -149,3 +150,52 @@ def test_a_window_shorter_than_the_max_model_length_is_refused_by_name(tmp_path:
         load_model(folder, dtype=torch.float32)
     model = load_model(folder, dtype=torch.float32, max_positions=64)  # the window never bites
     assert model.config.sliding_window == 64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_batch_of_decodes_and_a_chunk_matches_each_sequence_alone(
+    backend: str, tmp_path: Path
+) -> None:
+    """Three requests share steps: prefills first, then one step with two decode tokens of
+    different context lengths (padded decode batch) and a later prefill chunk."""
+    folder = save_tiny_gemma2(tmp_path / "g")
+    model = load_model(folder, dtype=torch.float32)
+    reference = reference_model(folder)
+    vocab = model.config.vocab_size
+    seqs = [random_ids(n, vocab, seed) for seed, n in ((3, 12), (4, 7), (5, 14))]
+    tables = [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    caches = allocate_kv_cache(model.config, 16, BLOCK, torch.float32, "cpu")
+
+    def step(parts):  # parts: [(request, start, end)]
+        meta = AttentionMetadata.build(
+            [end - start for _, start, end in parts],
+            [end for _, _, end in parts],
+            [tables[r] for r, _, _ in parts],
+            BLOCK,
+            "cpu",
+            backend,
+        )
+        ids = torch.cat([seqs[r][start:end] for r, start, end in parts])
+        positions = torch.cat([torch.arange(start, end) for _, start, end in parts])
+        with torch.no_grad():
+            return model.compute_logits(model(ids, positions, caches, meta))
+
+    step([(0, 0, 11), (1, 0, 6), (2, 0, 9)])
+    mixed = step([(0, 11, 12), (2, 9, 14), (1, 6, 7)])  # decode, chunk, decode
+    with torch.no_grad():
+        expected = [reference(s.unsqueeze(0)).logits[0] for s in seqs]
+    torch.testing.assert_close(mixed[0], expected[0][11], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[1:6], expected[2][9:14], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[6], expected[1][6], atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_default_follows_transformers(tmp_path: Path) -> None:
+    folder = save_tiny_gemma2(tmp_path / "g")
+    model = load_model(folder)  # CPU default: bf16 compute; attention itself in fp32
+    assert model.dtype == torch.bfloat16
+    ids = random_ids(40, model.config.vocab_size)
+    logits = run(model, [(ids[:36], 0), (ids[36:], 36)], list(range(10)), "sdpa")
+    with torch.no_grad():
+        expected = reference_model(folder)(ids.unsqueeze(0)).logits[0]
+    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9

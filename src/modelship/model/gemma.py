@@ -21,6 +21,7 @@ any backend: a Gemma 2 checkpoint loads only when the max model length is at mos
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -118,11 +119,17 @@ class Gemma2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(out), residual
 
 
-def _requests(
-    meta: AttentionMetadata,
-) -> list[tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per request of the step: (its rows in the batch, its context's cache slots in
-    position order, its query tokens' positions), from either kind of metadata."""
+@dataclass
+class _RequestSpan:
+    """One request's part of a step."""
+
+    rows: slice  # its query tokens' rows in the batch
+    slots: torch.Tensor  # [context length] its context's cache slots, in position order
+    positions: torch.Tensor  # [rows] its query tokens' positions
+
+
+def _requests(meta: AttentionMetadata) -> list[_RequestSpan]:
+    """The step's requests, from either kind of metadata (the kernels' or SDPA's)."""
     out = []
     if meta.backend in ("cpu", "triton"):
         assert meta.token_request is not None and meta.token_position is not None
@@ -136,7 +143,7 @@ def _requests(
             length = int(positions[-1]) + 1
             table = meta.block_table[request].long()
             slots = (table.unsqueeze(1) * meta.block_size + block).flatten()[:length]
-            out.append((rows, slots, positions))
+            out.append(_RequestSpan(rows, slots, positions))
             start += count
         return out
     if meta.num_decode:
@@ -149,13 +156,13 @@ def _requests(
         for i, length in enumerate(lengths):
             row = i if rows is None else int(rows[i])
             position = torch.tensor([length - 1], device=meta.decode_slots.device)
-            out.append((slice(row, row + 1), meta.decode_slots[i, :length], position))
+            out.append(_RequestSpan(slice(row, row + 1), meta.decode_slots[i, :length], position))
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
         length = slots.shape[0]
         positions = torch.arange(length - chunk.num_tokens, length, device=slots.device)
-        out.append((rows, slots, positions))
+        out.append(_RequestSpan(rows, slots, positions))
     return out
 
 
@@ -172,7 +179,8 @@ def softcapped_attention(
     cache.write(meta.slot_mapping, kv.to(cache.dtype))
     out = torch.empty_like(q)
     group = q.shape[1] // kv.shape[2]
-    for rows, slots, positions in _requests(meta):
+    for span in _requests(meta):
+        rows, slots, positions = span.rows, span.slots, span.positions
         context = cache.read(slots).float()  # [length, 2, kv_heads, head_dim]
         keys = context[:, 0].repeat_interleave(group, dim=1)  # [length, heads, head_dim]
         values = context[:, 1].repeat_interleave(group, dim=1)
@@ -221,6 +229,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.config.architecture,
         )
         return False
+
+    def graph_capture_error(self) -> str | None:
+        # `_requests` reads the step's request boundaries back to the host every layer
+        return (
+            f"{self.config.architecture}'s soft-capped attention walks the step's requests "
+            "on the host, which a CUDA graph cannot record"
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = super().embed(input_ids)

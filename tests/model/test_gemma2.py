@@ -1,6 +1,6 @@
 """Gemma 2 (Gemma2ForCausalLM) against transformers on tiny random weights: scaled
 embeddings, (1 + weight) sandwich norms, GeGLU, query_pre_attn_scalar, attention and final
-logit soft-capping; the sliding window only where it never bites."""
+logit soft-capping, sliding-window layers (a window of 8 that bites in every test)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 
 from modelship import LLM, SamplingParams
 from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
-from modelship.model.config import ModelConfigError
 
 from tiny_models import make_tokenizer
 
@@ -20,7 +19,8 @@ BLOCK = 4
 
 
 def save_tiny_gemma2(folder: Path, **overrides) -> Path:
-    """A 2-layer random Gemma 2 (one sliding, one global layer) with a trained tokenizer.
+    """A 2-layer random Gemma 2 (layer 0 sees the last 8 positions, layer 1 all of them)
+    with a trained tokenizer.
 
     Weights are scaled up so attention scores and logits reach the soft caps (transformers'
     0.02-std init leaves them far below any cap), and norms randomized around their zero
@@ -42,7 +42,7 @@ def save_tiny_gemma2(folder: Path, **overrides) -> Path:
         attn_logit_softcapping=1.0,
         final_logit_softcapping=0.5,
         max_position_embeddings=256,
-        sliding_window=256,
+        sliding_window=8,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -106,6 +106,7 @@ def test_logits_match_transformers(
     assert "attention runs in PyTorch ops" in caplog.text
     assert model.lm_head is None  # tied embeddings
     assert "walks the step's requests on the host" in model.graph_capture_error()
+    assert [layer.window for layer in model.layers] == [8, None]
     ids = random_ids(37, model.config.vocab_size)
     reference = reference_model(folder)
     with torch.no_grad():
@@ -144,12 +145,18 @@ def test_engine_greedy_equals_generate_with_chunks_and_prefix_cache(tmp_path: Pa
     assert second.outputs[0].token_ids == generated
 
 
-def test_a_window_shorter_than_the_max_model_length_is_refused_by_name(tmp_path: Path) -> None:
-    folder = save_tiny_gemma2(tmp_path / "g", sliding_window=64)
-    with pytest.raises(ModelConfigError, match=r"max model length \(256\).*sliding_window \(64\)"):
-        load_model(folder, dtype=torch.float32)
-    model = load_model(folder, dtype=torch.float32, max_positions=64)  # the window never bites
-    assert model.config.sliding_window == 64
+def test_layer_types_pick_the_sliding_layers(tmp_path: Path) -> None:
+    folder = save_tiny_gemma2(
+        tmp_path / "g", layer_types=["full_attention", "sliding_attention"], sliding_window=5
+    )
+    model = load_model(folder, dtype=torch.float32)
+    assert [layer.window for layer in model.layers] == [None, 5]
+    ids = random_ids(23, model.config.vocab_size)
+    with torch.no_grad():
+        expected = reference_model(folder)(ids.unsqueeze(0)).logits[0]
+    steps = [(ids[:10], 0), *[(ids[i : i + 1], i) for i in range(10, 23)]]
+    torch.testing.assert_close(run(model, steps, list(range(6)), "sdpa"), expected,
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
 
 
 # "triton": the Triton kernel's metadata (the model never calls the kernel, so no GPU needed)

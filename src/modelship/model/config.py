@@ -106,6 +106,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # per layer "sliding_attention" or "full_attention" where the config lists them (Gemma 2)
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -232,6 +234,7 @@ class ModelConfig:
                 query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
                 attn_logit_softcapping=raw.get("attn_logit_softcapping"),
                 final_logit_softcapping=raw.get("final_logit_softcapping"),
+                layer_types=tuple(raw["layer_types"]) if raw.get("layer_types") else None,
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc

@@ -13,9 +13,9 @@ K/V are written to the paged cache as everywhere, then each request's context is
 through whichever metadata the step was built for, one request at a time (a log line
 says so at load). The fused CPU decoder is declined for the same reason.
 
-Sliding-window layers (every other one, `sliding_window` tokens) are not implemented in
-any backend: a Gemma 2 checkpoint loads only when the max model length is at most
-`sliding_window`, where the window never bites (`check_window`).
+Sliding-window layers (`layer_types`, else every other one from the first) let a query see
+only the last `sliding_window` positions up to its own, masked in the same PyTorch
+attention; the KV blocks that fall out of every window are kept, not freed.
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ logger = logging.getLogger(__name__)
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
-def check_window(config: ModelConfig, max_positions: int) -> None:
-    """Refuse a max model length the (unimplemented) sliding window would cut into."""
-    window = config.sliding_window
-    if window is not None and max_positions > window:
-        raise ModelConfigError(
-            f"{config.architecture}: sliding-window attention is not implemented, so the max "
-            f"model length ({max_positions}) must not exceed config.json's sliding_window "
-            f"({window}); pass a max model length <= {window}"
-        )
+# Architectures whose sliding window is applied (the loader warns about the others').
+WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM",)
+
+
+def is_sliding(config: ModelConfig, index: int) -> bool:
+    """Whether layer `index` attends within `sliding_window` (transformers' default for
+    Gemma 2 configs without `layer_types`: the even layers)."""
+    if config.sliding_window is None:
+        return False
+    if config.layer_types is not None:
+        return config.layer_types[index] == "sliding_attention"
+    return index % 2 == 0
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -75,6 +78,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.head_dim, self.q_size = config.head_dim, config.q_size
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
+        self.window = config.sliding_window if is_sliding(config, index) else None
         self.qkv_proj = linear(
             [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], config.qkv_bias
         )
@@ -112,7 +116,7 @@ class Gemma2DecoderLayer(nn.Module):
         apply_rope_(qkv[:, : self.q_size + kv_heads * dim].view(n, heads + kv_heads, dim), cos, sin)
         q = qkv[:, : self.q_size].view(n, heads, dim)
         kv = qkv[:, self.q_size :].view(n, 2, kv_heads, dim)
-        attn = softcapped_attention(q, kv, cache, meta, self.scale, self.softcap)
+        attn = softcapped_attention(q, kv, cache, meta, self.scale, self.softcap, self.window)
         attn = self.post_attention_layernorm(self.o_proj(attn.reshape(n, self.q_size)))
         residual = attn.add_(residual)
         out = self.mlp(self.pre_feedforward_layernorm(residual))
@@ -173,9 +177,11 @@ def softcapped_attention(
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] in q's dtype
     """Write the step's K/V, then causal attention with scores cap * tanh(s / cap) before
-    the softmax (fp32), each request over its context as the cache holds it."""
+    the softmax (fp32), each request over its context as the cache holds it; with `window`,
+    a query at position p sees positions p - window + 1 .. p only."""
     cache.write(meta.slot_mapping, kv.to(cache.dtype))
     out = torch.empty_like(q)
     group = q.shape[1] // kv.shape[2]
@@ -187,7 +193,10 @@ def softcapped_attention(
         scores = torch.einsum("thd,shd->hts", q[rows].float(), keys) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        visible = torch.arange(slots.shape[0], device=scores.device) <= positions.unsqueeze(1)
+        keys_at = torch.arange(slots.shape[0], device=scores.device)
+        visible = keys_at <= positions.unsqueeze(1)  # [queries, keys]
+        if window is not None:
+            visible &= keys_at > positions.unsqueeze(1) - window
         scores.masked_fill_(~visible, float("-inf"))
         weights = scores.softmax(dim=-1)
         out[rows] = torch.einsum("hts,shd->thd", weights, values).to(q.dtype)
@@ -204,7 +213,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def __init__(
         self, config: ModelConfig, linear: LinearFactory, max_positions: int, device: torch.device
     ) -> None:
-        check_window(config, max_positions)
         if config.hidden_act not in _ACTIVATIONS:
             raise ModelConfigError(
                 f"{config.architecture}: hidden_activation {config.hidden_act!r} is not "

@@ -219,13 +219,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 f"supported; supported: {', '.join(_ACTIVATIONS)}"
             )
         super().__init__(config, linear, max_positions, device)
-        if config.attn_logit_softcapping is not None:
-            logger.info(
-                "%s: attention scores are soft-capped (attn_logit_softcapping %s), which the "
-                "CPU, Triton and SDPA kernels do not do: attention runs in PyTorch ops",
-                config.architecture,
-                config.attn_logit_softcapping,
-            )
+        logger.info(
+            "%s: attention soft-capping (attn_logit_softcapping %s) and sliding windows "
+            "(sliding_window %s) are not in the CPU, Triton or SDPA kernels: attention runs in "
+            "PyTorch ops",
+            config.architecture,
+            config.attn_logit_softcapping,
+            config.sliding_window,
+        )
 
     def enable_lora(self):
         raise ValueError(f"LoRA adapters on {self.config.architecture} are not supported")

@@ -1,6 +1,7 @@
-"""Gemma 2 (Gemma2ForCausalLM) against transformers on tiny random weights: scaled
+"""Gemma 2 and Gemma 3 text against transformers on tiny random weights: scaled
 embeddings, (1 + weight) sandwich norms, GeGLU, query_pre_attn_scalar, attention and final
-logit soft-capping, sliding-window layers (a window of 8 that bites in every test)."""
+logit soft-capping, sliding-window layers (a window of 8 that bites in every test); Gemma 3's
+q/k norms and local RoPE base."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tiny_models import make_tokenizer
 BLOCK = 4
 
 
-def save_tiny_gemma2(folder: Path, **overrides) -> Path:
+def save_tiny_gemma2(folder: Path, kind: str = "gemma2", **overrides) -> Path:
     """A 2-layer random Gemma 2 (layer 0 sees the last 8 positions, layer 1 all of them)
     with a trained tokenizer.
 
@@ -26,8 +27,11 @@ def save_tiny_gemma2(folder: Path, **overrides) -> Path:
     0.02-std init leaves them far below any cap), and norms randomized around their zero
     offset.
     """
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
+    config_cls, model_cls = (Gemma2Config, Gemma2ForCausalLM)
+    if kind == "gemma3":
+        config_cls, model_cls = (Gemma3TextConfig, Gemma3ForCausalLM)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
     settings = dict(
@@ -47,9 +51,11 @@ def save_tiny_gemma2(folder: Path, **overrides) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if kind == "gemma3":
+        settings.update(GEMMA3)
     settings.update(overrides)
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(**settings))
+    model = model_cls(config_cls(**settings))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -60,6 +66,18 @@ def save_tiny_gemma2(folder: Path, **overrides) -> Path:
     return folder
 
 
+# Gemma 3 text: two sliding layers (local RoPE base 10^4) then a global one (base 10^6,
+# linear scaling 2); q/k norms; no soft-caps.
+GEMMA3 = dict(
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+    attn_logit_softcapping=None,
+    final_logit_softcapping=None,
+)
 BACKENDS = [
     "sdpa",
     pytest.param(
@@ -120,8 +138,11 @@ def test_logits_match_transformers(
     torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_engine_greedy_equals_generate_with_chunks_and_prefix_cache(tmp_path: Path) -> None:
-    folder = save_tiny_gemma2(tmp_path / "g")
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_engine_greedy_equals_generate_with_chunks_and_prefix_cache(
+    kind: str, tmp_path: Path
+) -> None:
+    folder = save_tiny_gemma2(tmp_path / kind, kind)
     llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=8)
     prompt = "Continuous batching schedules requests at iteration granularity. " * 2
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -207,3 +228,44 @@ def test_bf16_default_follows_transformers(tmp_path: Path) -> None:
         expected = reference_model(folder)(ids.unsqueeze(0)).logits[0]
     assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemma3_logits_match_transformers(backend: str, tmp_path: Path) -> None:
+    folder = save_tiny_gemma2(tmp_path / "g3", "gemma3")
+    model = load_model(folder, dtype=torch.float32)
+    assert [layer.window for layer in model.layers] == [8, 8, None]
+    assert [layer.local_rope for layer in model.layers] == [True, True, False]
+    assert model.config.qk_norm and model.config.local_rope_theta == 1e4
+    ids = random_ids(37, model.config.vocab_size)
+    with torch.no_grad():
+        expected = reference_model(folder)(ids.unsqueeze(0)).logits[0]
+    steps = [(ids[:9], 0), (ids[9:30], 9), *[(ids[i : i + 1], i) for i in range(30, 37)]]
+    chunked = run(model, steps, [11, 3, 8, 0, 6, 2, 14, 9, 1, 20], backend)
+    torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_older_config_fields(tmp_path: Path) -> None:
+    """Gemma-3-1B's config.json as released: rope_local_base_freq, rope_scaling and
+    sliding_window_pattern instead of per-layer-type rope_parameters and layer_types."""
+    import json
+
+    from modelship.model.config import ModelConfig
+
+    raw = json.loads((save_tiny_gemma2(tmp_path / "g3", "gemma3") / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types"):
+        del raw[key]
+    raw.update(
+        num_hidden_layers=7,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window_pattern=6,
+    )
+    config = ModelConfig.from_dict(raw)
+    assert config.layer_types == ("sliding_attention",) * 5 + (
+        "full_attention",
+        "sliding_attention",
+    )
+    assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
+    assert config.rope_type == "linear" and config.rope_scaling["factor"] == 8.0

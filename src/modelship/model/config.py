@@ -20,6 +20,7 @@ _QK_NORM = {
     "Qwen3ForCausalLM": "head",
     "Qwen3MoeForCausalLM": "head",
     "OlmoeForCausalLM": "full",
+    "Gemma3ForCausalLM": "head",
 }
 # Mixture-of-experts architectures -> whether the top-k routing weights are renormalized
 # to sum to 1 regardless of `norm_topk_prob` (Mixtral always does; the others ask the config).
@@ -108,6 +109,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # per layer "sliding_attention" or "full_attention" where the config lists them (Gemma 2)
     layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding layers' RoPE base (unscaled); None: all layers rotate alike
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -173,6 +176,10 @@ class ModelConfig:
         # transformers 5 moves rope settings under `rope_parameters` (theta included);
         # older files have `rope_theta` + `rope_scaling`.
         rope = raw.get("rope_parameters") or {}
+        local_theta = raw.get("rope_local_base_freq")
+        if "full_attention" in rope:  # Gemma 3: one rope per layer type
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope = rope["full_attention"] or {}
         scaling = raw.get("rope_scaling") or None
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             scaling = dict(rope)
@@ -234,10 +241,25 @@ class ModelConfig:
                 query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
                 attn_logit_softcapping=raw.get("attn_logit_softcapping"),
                 final_logit_softcapping=raw.get("final_logit_softcapping"),
-                layer_types=tuple(raw["layer_types"]) if raw.get("layer_types") else None,
+                layer_types=_layer_types(raw, architecture),
+                local_rope_theta=float(local_theta) if local_theta is not None else None,
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc
+
+
+def _layer_types(raw: dict[str, Any], architecture: str) -> tuple[str, ...] | None:
+    """`layer_types`, or Gemma 3's older `sliding_window_pattern` (every n-th layer global,
+    6 by default) spelled out."""
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    if architecture != "Gemma3ForCausalLM":
+        return None
+    pattern = raw.get("sliding_window_pattern") or 6
+    return tuple(
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(raw["num_hidden_layers"])
+    )
 
 
 def _check_longrope(scaling: dict[str, Any], head_dim: int) -> None:

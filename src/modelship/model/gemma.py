@@ -1,11 +1,14 @@
-"""Gemma 2 (Gemma2ForCausalLM) on the Llama decoder's skeleton.
+"""Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM) on the Llama
+decoder's skeleton.
 
 What differs from Llama: the embeddings are scaled by sqrt(hidden_size); every RMSNorm
 multiplies by (1 + weight) (folded into the weight once at load); attention and MLP each
 have a norm before and after (the sub-block's output is normalized before it joins the
 residual stream); the MLP is GeGLU (tanh-approximated GELU); the attention scale is
 query_pre_attn_scalar^-0.5; attention scores and the final logits are soft-capped,
-cap * tanh(x / cap).
+cap * tanh(x / cap). Gemma 3 adds a per-head (1 + weight) RMSNorm of q and k before RoPE,
+drops the soft-caps, and rotates its sliding layers with their own base
+(`local_rope_theta`, unscaled) and its global ones with `rope_theta` and its scaling.
 
 Soft-capping sits between q k^T and the softmax, which neither the CPU kernel nor the
 Triton kernel nor SDPA can do, so Gemma 2's attention runs in PyTorch ("eager"): the
@@ -20,6 +23,7 @@ attention; the KV blocks that fall out of every window are kept, not freed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -30,7 +34,7 @@ from torch import nn
 from modelship.model.attention import AttentionMetadata
 from modelship.model.config import ModelConfig, ModelConfigError
 from modelship.model.kv_cache import KVCache
-from modelship.model.layers import GatedMLP, LinearFactory, RMSNorm, apply_rope_
+from modelship.model.layers import GatedMLP, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope_
 from modelship.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 # Architectures whose sliding window is applied (the loader warns about the others').
-WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM",)
+WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def is_sliding(config: ModelConfig, index: int) -> bool:
@@ -94,6 +98,12 @@ class Gemma2DecoderLayer(nn.Module):
             self.post_attention_layernorm = GemmaRMSNorm(size, eps)
             self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
             self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+            self.qk_norm = config.qk_norm
+            if config.qk_norm:  # Gemma 3: per head
+                self.q_norm = GemmaRMSNorm(config.head_dim, eps)
+                self.k_norm = GemmaRMSNorm(config.head_dim, eps)
+        # Gemma 3's sliding layers read the local rotary tables
+        self.local_rope = self.window is not None and config.local_rope_theta is not None
 
     def forward(
         self,
@@ -108,6 +118,11 @@ class Gemma2DecoderLayer(nn.Module):
         qkv = self.qkv_proj(self.input_layernorm(residual))
         n = qkv.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qk_norm:
+            q_end, k_end = self.q_size, self.q_size + kv_heads * dim
+            q, k = qkv[:, :q_end].view(n, heads, dim), qkv[:, q_end:k_end].view(n, kv_heads, dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         if meta.backend == "cpu":  # the kernels' metadata carries whole tables
             assert meta.token_position is not None
             positions = meta.token_position.long()
@@ -219,6 +234,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 f"supported; supported: {', '.join(_ACTIVATIONS)}"
             )
         super().__init__(config, linear, max_positions, device)
+        self.rotaries = [self.rotary]
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=None
+            )
+            self.local_rotary = RotaryEmbedding(local, max_positions, device)
+            self.rotaries.append(self.local_rotary)
         logger.info(
             "%s: attention soft-capping (attn_logit_softcapping %s) and sliding windows "
             "(sliding_window %s) are not in the CPU, Triton or SDPA kernels: attention runs in "
@@ -245,6 +267,25 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             f"{self.config.architecture}'s soft-capped attention walks the step's requests "
             "on the host, which a CUDA graph cannot record"
         )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """As `LlamaForCausalLM.forward`, with the rotary tables each layer asks for."""
+        hidden = self.embed(input_ids)
+        if attn_metadata.backend == "cpu":  # whole fp32 tables, indexed in the layer
+            tables = [(rotary.cos, rotary.sin) for rotary in self.rotaries]
+        else:
+            tables = [rotary.tables(positions, hidden.dtype) for rotary in self.rotaries]
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = tables[int(layer.local_rope)]
+            hidden, residual = layer(hidden, residual, cos, sin, cache, attn_metadata)
+        return self.norm(hidden.add_(residual))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = super().embed(input_ids)

@@ -23,6 +23,7 @@ class UnsupportedModelError(ValueError):
 # fused qkv_proj and gate_up_proj tensors are split by the loader).
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,  # sandwich norms, soft-capping: `gemma.py`
+    "Gemma3ForCausalLM": Gemma2ForCausalLM,  # + q/k norm, local RoPE base (text only)
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,

@@ -10,14 +10,17 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Rope variants `rope.py` implements; anything else is refused when the config is read.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Rope variants `layers.py` implements; anything else is refused when the config is read.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Older Phi-3 configs call LongRoPE "su".
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
 # Architectures whose q and k pass an RMSNorm before RoPE: per head (Qwen3) or over the
 # whole projection, all heads together (OLMoE).
 _QK_NORM = {
     "Qwen3ForCausalLM": "head",
     "Qwen3MoeForCausalLM": "head",
     "OlmoeForCausalLM": "full",
+    "Gemma3ForCausalLM": "head",
 }
 # Mixture-of-experts architectures -> whether the top-k routing weights are renormalized
 # to sum to 1 regardless of `norm_topk_prob` (Mixtral always does; the others ask the config).
@@ -97,6 +100,17 @@ class ModelConfig:
     qk_norm_scope: str = "head"
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
     moe: MoEConfig | None = None  # None: a dense model
+    # Gemma 2: the MLP's activation, the attention scale's denominator (scale =
+    # query_pre_attn_scalar^-0.5 instead of head_dim^-0.5), tanh soft-capping of the
+    # attention scores and of the final logits (None: not capped)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # per layer "sliding_attention" or "full_attention" where the config lists them (Gemma 2)
+    layer_types: tuple[str, ...] | None = None
+    # Gemma 3: the sliding layers' RoPE base (unscaled); None: all layers rotate alike
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
@@ -114,12 +128,15 @@ class ModelConfig:
                 f"rope_type {self.rope_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.rope_type == "longrope":
+            _check_longrope(self.rope_scaling or {}, self.head_dim)
 
     @property
     def rope_type(self) -> str:
         if self.rope_scaling is None:
             return "default"
-        return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+        kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+        return _ROPE_TYPE_ALIASES.get(kind, kind)
 
     @property
     def q_size(self) -> int:
@@ -159,6 +176,10 @@ class ModelConfig:
         # transformers 5 moves rope settings under `rope_parameters` (theta included);
         # older files have `rope_theta` + `rope_scaling`.
         rope = raw.get("rope_parameters") or {}
+        local_theta = raw.get("rope_local_base_freq")
+        if "full_attention" in rope:  # Gemma 3: one rope per layer type
+            local_theta = (rope.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope = rope["full_attention"] or {}
         scaling = raw.get("rope_scaling") or None
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             scaling = dict(rope)
@@ -167,6 +188,18 @@ class ModelConfig:
             "default",
         ):
             scaling = None
+        if scaling is not None:
+            scaling = dict(scaling)  # filled in below; the caller's dict stays as it was
+        if scaling is not None and "original_max_position_embeddings" in raw:
+            # Phi-3 keeps LongRoPE's pretraining length beside `max_position_embeddings`;
+            # as in transformers, that field wins over one inside the scaling dict
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        # Only whole-head RoPE is implemented (Phi-4-mini rotates 3/4 of each head)
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if float(partial or 1.0) != 1.0:
+            raise ModelConfigError(
+                f"{origin}: partial_rotary_factor {partial} is not supported (only 1.0)"
+            )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -204,9 +237,43 @@ class ModelConfig:
                 qk_norm_scope=_QK_NORM.get(architecture, "head"),
                 clip_qkv=raw.get("clip_qkv"),
                 moe=_moe_config(raw, architecture, need),
+                hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+                query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+                attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+                final_logit_softcapping=raw.get("final_logit_softcapping"),
+                layer_types=_layer_types(raw, architecture),
+                local_rope_theta=float(local_theta) if local_theta is not None else None,
             )
         except ModelConfigError as exc:
             raise ModelConfigError(f"{origin}: {exc}") from exc
+
+
+def _layer_types(raw: dict[str, Any], architecture: str) -> tuple[str, ...] | None:
+    """`layer_types`, or Gemma 3's older `sliding_window_pattern` (every n-th layer global,
+    6 by default) spelled out."""
+    if raw.get("layer_types"):
+        return tuple(raw["layer_types"])
+    if architecture != "Gemma3ForCausalLM":
+        return None
+    pattern = raw.get("sliding_window_pattern") or 6
+    return tuple(
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(raw["num_hidden_layers"])
+    )
+
+
+def _check_longrope(scaling: dict[str, Any], head_dim: int) -> None:
+    """LongRoPE needs one short and one long factor per rotated frequency and the
+    pretraining length at which the long ones take over."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ModelConfigError(
+                f"rope_scaling.{key} must list head_dim / 2 = {head_dim // 2} numbers, "
+                f"got {factors!r:.60}"
+            )
+    if not scaling.get("original_max_position_embeddings"):
+        raise ModelConfigError("longrope needs 'original_max_position_embeddings'")
 
 
 def _moe_config(raw: dict[str, Any], architecture: str, need: Any) -> MoEConfig | None:

@@ -1,5 +1,5 @@
-"""Building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), gated MLP; the
-linear-module factory the loader hands to model constructors."""
+"""Building blocks: RMSNorm, rotary embeddings (incl. llama3 and LongRoPE scaling), gated
+MLP; the linear-module factory the loader hands to model constructors."""
 
 from __future__ import annotations
 
@@ -44,11 +44,48 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (self.size,), self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in fp32, with `linear` or `llama3` scaling."""
+def _wavelength_base(config: ModelConfig) -> torch.Tensor:
+    """theta^(2i / head_dim), [head_dim / 2]: the inverse of the unscaled frequencies."""
     dim = config.head_dim
     # fp32 as transformers computes it, so positions rotate identically
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+def rope_angles(
+    config: ModelConfig, max_positions: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, float]:
+    """(angles [max_positions, head_dim / 2] fp32, magnitude of cos and sin).
+
+    LongRoPE (Phi-3 "su"/"longrope") divides each frequency by a per-frequency factor: the
+    short factors for positions below `original_max_position_embeddings`, the long ones from
+    there on, and scales cos and sin by sqrt(1 + ln(s) / ln(original)) with s = factor (default
+    max_position_embeddings / original) unless `attention_factor` is given. The choice is per
+    position, not per sequence, so a key's rotation never changes once it is in the paged
+    cache (and prefix-cache blocks stay valid): equal to transformers for every sequence
+    within the original length, and to its forward with a kept KV cache past it. Its
+    `generate` instead recomputes the whole sequence with the long factors once it grows
+    past the original length; we do not (a sequence that crosses keeps its short-factor keys).
+    """
+    t = torch.arange(max_positions, dtype=torch.float32, device=device)
+    if config.rope_type != "longrope":
+        return torch.outer(t, rope_inv_freq(config).to(device)), 1.0
+    scaling = config.rope_scaling or {}
+    original = int(scaling["original_max_position_embeddings"])
+    base = _wavelength_base(config)
+    short = (1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * base)).to(device)
+    long = (1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * base)).to(device)
+    angles = torch.cat([torch.outer(t[:original], short), torch.outer(t[original:], long)])
+    factor = float(scaling.get("factor") or config.max_position_embeddings / original)
+    magnitude = scaling.get("attention_factor")
+    if magnitude is None:
+        magnitude = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return angles, float(magnitude)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, with `linear` or `llama3` scaling
+    (LongRoPE's depend on the position: `rope_angles`)."""
+    inv_freq = 1.0 / _wavelength_base(config)
     scaling = config.rope_scaling
     kind = config.rope_type
     if scaling is None or kind == "default":
@@ -69,7 +106,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"rope_type {kind!r} has no position-independent frequencies")
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,10 +118,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config).to(device)
-        t = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
+        freqs, magnitude = rope_angles(config, max_positions, device)  # [positions, dim / 2]
         cos, sin = freqs.cos(), freqs.sin()
+        if magnitude != 1.0:
+            cos, sin = cos * magnitude, sin * magnitude
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 

@@ -1,6 +1,7 @@
 """The Llama-family decoder: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, SmolLM,
-TinyLlama, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm, explicit head_dim);
-GQA, tied embeddings. With `moe.py`'s routed MLP in some or all layers: Mixtral, OLMoE
+TinyLlama, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm, explicit head_dim) and
+Phi-3/Phi-4 (fused checkpoint tensors split by the loader, LongRoPE in `layers.py`); GQA,
+tied embeddings. With `moe.py`'s routed MLP in some or all layers: Mixtral, OLMoE
 (q/k RMSNorm over the whole projection, optional q/k/v clipping), Qwen2-MoE (shared
 expert) and Qwen3-MoE.
 
@@ -126,7 +127,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     """Projections come from `linear` (dense or quantized, weights included); embeddings and
-    norms are built on the meta device and assigned from the checkpoint by the loader."""
+    norms are built on the meta device and assigned from the checkpoint by the loader.
+    A variant family (`gemma.py`) swaps the layer and norm classes."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(
         self,
@@ -145,9 +150,10 @@ class LlamaForCausalLM(CausalLM):
                 config.hidden_size,
                 _weight=torch.empty(config.vocab_size, config.hidden_size),
             )
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, f"model.layers.{i}", linear) for i in range(config.num_layers)
+            self.layer_class(config, i, f"model.layers.{i}", linear)
+            for i in range(config.num_layers)
         )
         self.lm_head = None if config.tie_word_embeddings else linear(["lm_head"], False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
@@ -227,7 +233,7 @@ class LlamaForCausalLM(CausalLM):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        hidden = self.embed(input_ids)
         if attn_metadata.backend == "cpu":  # the CPU kernel indexes the fp32 tables
             cos, sin = self.rotary.cos, self.rotary.sin
             if self.fused_decoder is not None and not (self.lora and self.lora.segments):
@@ -238,6 +244,9 @@ class LlamaForCausalLM(CausalLM):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, attn_metadata)
         return self.norm(hidden.add_(residual))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden], fresh
+        return F.embedding(input_ids, self.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""

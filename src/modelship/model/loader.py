@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
+from modelship.model.gemma import WINDOWED_ARCHITECTURES
 from modelship.model.moe import expert_names
 from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
@@ -34,6 +35,15 @@ _STACKED_PARTS = {
     "down_proj": ("down_proj", None),
     "w2": ("down_proj", None),
 }
+# Projections some checkpoints store fused (Phi-3): part -> the fused tensor's name.
+_FUSED_PARTS = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_PROJECTION = re.compile(r"(?P<module>.+)\.(?P<proj>\w+)\.(?P<kind>weight|bias)")
 
 
 class MissingWeightError(KeyError):
@@ -50,7 +60,7 @@ class _Checkpoint:
     also ship a consolidated copy of the same weights under other names).
     """
 
-    def __init__(self, model_dir: Path, stack: ExitStack) -> None:
+    def __init__(self, model_dir: Path, stack: ExitStack, config: ModelConfig) -> None:
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -60,6 +70,7 @@ class _Checkpoint:
         if not files:
             raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
         self.model_dir = model_dir
+        self.config = config
         self.location: dict[str, Any] = {}
         for file in files:
             if not file.is_file():
@@ -72,12 +83,44 @@ class _Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         handle = self.location.get(name)
         if handle is None:
-            stacked = self._stacked_expert(name)
-            if stacked is None:
+            part = self._stacked_expert(name)
+            if part is None:
+                part = self._fused_part(name)
+            if part is None:
                 raise MissingWeightError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
-            return stacked
+            return part
         self.used.add(name)
         return handle.get_tensor(name)
+
+    def _fused_part(self, name: str) -> torch.Tensor | None:
+        """One projection's rows of a fused `qkv_proj` (q, then k, then v: the config's
+        head counts give the split) or `gate_up_proj` (gate rows first, then up) weight or
+        bias; None when `name` is no such part or the fused tensor is absent too. Only the
+        part's rows are read."""
+        match = _PROJECTION.fullmatch(name)
+        if match is None or match["proj"] not in _FUSED_PARTS:
+            return None
+        fused_name = f"{match['module']}.{_FUSED_PARTS[match['proj']]}.{match['kind']}"
+        handle = self.location.get(fused_name)
+        if handle is None:
+            return None
+        fused = handle.get_slice(fused_name)
+        rows = fused.get_shape()[0]
+        q, kv = self.config.q_size, self.config.kv_size
+        bounds = {
+            "q_proj": (0, q, q + 2 * kv),
+            "k_proj": (q, q + kv, q + 2 * kv),
+            "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
+            "gate_proj": (0, rows // 2, rows - rows % 2),
+            "up_proj": (rows // 2, rows, rows - rows % 2),
+        }
+        start, end, expected = bounds[match["proj"]]
+        if rows != expected:
+            raise MissingWeightError(
+                f"{self.model_dir}: {fused_name} has {rows} rows; the config implies {expected}"
+            )
+        self.used.add(fused_name)
+        return fused[start:end]
 
     def _stacked_expert(self, name: str) -> torch.Tensor | None:
         """One expert's projection out of the stacked layout transformers 5 keeps in memory
@@ -152,7 +195,11 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     dtype = resolve_dtype(config, device, dtype)
     max_positions = max_positions or config.max_position_embeddings
-    if config.sliding_window is not None and config.sliding_window < max_positions:
+    if (
+        config.sliding_window is not None
+        and config.sliding_window < max_positions
+        and config.architecture not in WINDOWED_ARCHITECTURES
+    ):
         logger.warning(
             "%s: sliding-window attention (%d tokens) is not implemented; outputs are exact "
             "only for contexts up to the window",
@@ -161,7 +208,7 @@ def load_model(
         )
     quantization = create_quantization(config.quantization_config, int4_kernel)
     with ExitStack() as stack, torch.no_grad():
-        checkpoint = _Checkpoint(model_dir, stack)
+        checkpoint = _Checkpoint(model_dir, stack, config)
         get = checkpoint.get if shard is None else shard.slicer(checkpoint.get)
 
         def linear(prefixes: list[str], bias: bool) -> torch.nn.Module:

@@ -6,6 +6,7 @@ import torch
 
 from modelship.model.base import CausalLM
 from modelship.model.config import ModelConfig
+from modelship.model.gemma import Gemma2ForCausalLM
 from modelship.model.layers import LinearFactory
 from modelship.model.llama import LlamaForCausalLM
 
@@ -18,12 +19,16 @@ class UnsupportedModelError(ValueError):
 
 # One implementation covers the family: the differences are config flags (q/k/v bias,
 # per-head or whole-projection q/k norm, q/k/v clipping, explicit head_dim, rope scaling,
-# tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`).
+# tied embeddings, mixture-of-experts MLPs in some or all layers: `ModelConfig.moe`; Phi-3's
+# fused qkv_proj and gate_up_proj tensors are split by the loader).
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,  # sandwich norms, soft-capping: `gemma.py`
+    "Gemma3ForCausalLM": Gemma2ForCausalLM,  # + q/k norm, local RoPE base (text only)
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

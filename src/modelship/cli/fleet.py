@@ -138,6 +138,16 @@ def gateway(
             "default: the config's model, or the only one on the storage).",
         ),
     ] = None,
+    leader_lease_s: Annotated[
+        float,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_LEADER_LEASE_S",
+            help="With --storage: how long the leader lease on the storage "
+            "(models/<slug>/fleet/leader.json) lasts unrenewed; another gateway takes over "
+            "that long after the leader dies. Keep it well above the machines' clock skew.",
+            min=1.0,
+        ),
+    ] = 15.0,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
@@ -181,7 +191,7 @@ def gateway(
         key = os.environ.get("MODELSHIP_API_KEY")
         gateway = StandaloneGateway(
             config, replicas, key, state_url=state, discovery=discovery, usage_dir=usage_dir,
-            plan=plan,
+            plan=plan, lease_s=leader_lease_s,
         )  # fmt: skip
     except GatewaySetupError as exc:
         fail(str(exc), CONFIG_EXIT_CODE)

@@ -14,6 +14,7 @@ from pathlib import Path
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
+from modelship.fleet.election import LeaderElection, StorageLease, lease_path
 from modelship.fleet.plan_follower import PlanFollower, standalone_canary_weight
 from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Verdict
@@ -68,6 +69,7 @@ class StandaloneGateway:
         discovery: DiscoveryConfig | None = None,
         usage_dir: Path | None = None,
         plan: PlanSource | None = None,
+        lease_s: float = 15.0,
     ) -> None:
         """`state_url`: the tenant quota store (`--state`), over `gateway.state`;
         `discovery`: where to find the replicas (`--discover-service`), over
@@ -75,7 +77,8 @@ class StandaloneGateway:
         `usage_dir`: the folder of the usage ledger (`--usage-dir`, the model's `usage/` on
         the models volume), where this gateway appends to a file of its own; `plan`: the
         release plan the canary weight follows (`--storage`, `--model`), over
-        `replicas.canary_weight`."""
+        `replicas.canary_weight`, and the leader lease beside it (`fleet/election.py`,
+        held `lease_s` seconds between renewals)."""
         discovery = discovery or (None if replicas.stable else config.gateway.discovery)
         if not replicas.stable and discovery is None:
             raise GatewaySetupError(
@@ -142,9 +145,16 @@ class StandaloneGateway:
         if usage_dir is not None:
             self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())
         self.plan = None
+        self.election = None
         if plan is not None:
             self.plan = PlanFollower(plan.storage, plan.slug, self._follow_plan)
             self.service.canary.on_rollback = self._judged_rollback
+            # The one replica that will run the run-once work (the judge, the drift probe):
+            # elected now, that work not yet moved behind it.
+            lease = StorageLease(plan.storage, lease_path(plan.storage, plan.slug),
+                                 writer_name(), duration_s=lease_s)  # fmt: skip
+            self.election = LeaderElection(lease)
+            self.service.metrics.fleet_registry.register(self.election)
 
     def _follow_plan(self, plan: TrafficPlan, production: int | None) -> None:
         self.service.canary.set_weight(standalone_canary_weight(plan, production))
@@ -158,7 +168,7 @@ class StandaloneGateway:
 
     def app(self) -> Starlette:
         starts, stops = [], []
-        for part in (self.discovery, self.plan):
+        for part in (self.discovery, self.plan, self.election):
             if part is not None:
                 starts.append(part.start)
                 stops.append(part.stop)

@@ -8,12 +8,14 @@ follows the release plan there (`plan_follower.py`) instead of `--canary-weight`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
+from modelship.errors import PipelineError
 from modelship.fleet.election import LeaderElection, StorageLease, lease_path
 from modelship.fleet.plan_follower import PlanFollower, standalone_canary_weight
 from modelship.gateway.app import create_gateway_app
@@ -26,8 +28,10 @@ from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
 from modelship.release.traffic import TrafficPlan, end_canary
-from modelship.storage import Storage
+from modelship.storage import Storage, StorageError
 from modelship.tracing import Tracing
+
+logger = logging.getLogger(__name__)
 
 
 class GatewaySetupError(ValueError):
@@ -164,7 +168,13 @@ class StandaloneGateway:
         storage too, so every other replica follows (and this one's next read of the plan
         does not raise the weight again)."""
         assert self.plan is not None
-        end_canary(self.plan.storage, self.plan.slug, verdict.reason, automatic=True)
+        try:
+            end_canary(self.plan.storage, self.plan.slug, verdict.reason, automatic=True)
+        except (OSError, PipelineError, StorageError) as exc:  # in a request's path: logged
+            logger.error(
+                "the judged rollback could not be written to the plan (%s); the next read "
+                "of the plan gives the canary its weight again", exc,
+            )  # fmt: skip
 
     def app(self) -> Starlette:
         starts, stops = [], []

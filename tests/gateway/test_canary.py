@@ -212,3 +212,21 @@ def test_a_client_cannot_choose_its_track_by_session_id():
     assert [track(s) for s in aimed] == tracks  # still sticky
     other = GatewayService(config, pool, canary_weight=30)  # another secret, another split
     assert [track(s, other) for s in aimed] != tracks
+
+
+def test_a_promoted_canary_is_not_judged():
+    """After a promotion a standalone gateway sends the canary track everything (weight
+    100, `fleet/plan_follower.py`): stable sees only fallbacks, nothing to compare with, so
+    the judge stays out; at 99 it still judges."""
+    config = GatewayConfig(canary=CanaryJudgeConfig(min_requests=2))
+    pool = EndpointPool(config.resilience)
+    pool.add("stable-0", "http://127.0.0.1:1", STABLE, "1")
+    pool.add("canary-0", "http://127.0.0.1:2", CANARY, "2")
+    for weight, judged in ((100, False), (99, True)):
+        split = GatewayService(config, pool, canary_weight=weight).canary
+        rolled_back = []
+        split.on_rollback = rolled_back.append
+        for _ in range(3):
+            split.record(Track.STABLE, ok=True, ttft_s=0.1, tenant="t")
+            split.record(Track.CANARY, ok=False, ttft_s=None, tenant="t")
+        assert (split.weight == 0) is judged and bool(rolled_back) is judged

@@ -120,16 +120,54 @@ def gateway(
             "service account).",
         ),
     ] = None,
+    storage: Annotated[
+        Path | None,
+        typer.Option(
+            "--storage",
+            envvar="MODELSHIP_STORAGE",
+            help="Follow the release plan of --model on this storage (the models volume): "
+            "the canary weight, rollback and promotion `modelship release` writes there, "
+            "read every second, over --canary-weight.",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_MODEL",
+            help="The model whose release plan this gateway follows (with --storage; "
+            "default: the config's model, or the only one on the storage).",
+        ),
+    ] = None,
+    leader_lease_s: Annotated[
+        float,
+        typer.Option(
+            envvar="MODELSHIP_GATEWAY_LEADER_LEASE_S",
+            help="With --storage: how long the leader lease on the storage "
+            "(models/<slug>/fleet/leader.json) lasts unrenewed; another gateway takes over "
+            "that long after the leader dies. Keep it well above the machines' clock skew.",
+            min=1.0,
+        ),
+    ] = 15.0,
     host: Annotated[str | None, typer.Option(help="Interface (default: gateway.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: gateway.port).")] = None,
 ) -> None:
     """Run only the gateway, in front of replicas given by address or found in the
     Kubernetes API (the pods behind headless Services)."""
-    from modelship.fleet.standalone import GatewaySetupError, StandaloneGateway, StaticReplicas
+    from modelship.fleet.standalone import (
+        GatewaySetupError,
+        PlanSource,
+        StandaloneGateway,
+        StaticReplicas,
+    )
     from modelship.gateway.config import DiscoveryConfig
     from modelship.gateway.launcher import run_gateway
 
-    config = load_config(config_path)
+    plan = None
+    if storage is not None or model is not None:
+        config, store, slug = model_context(config_path, storage, model)
+        plan = PlanSource(store, slug)
+    else:
+        config = load_config(config_path)
     services = discover_service or _split(os.environ.get("MODELSHIP_GATEWAY_DISCOVER_SERVICES"))
     discovery = None
     if services:
@@ -152,8 +190,9 @@ def gateway(
     try:
         key = os.environ.get("MODELSHIP_API_KEY")
         gateway = StandaloneGateway(
-            config, replicas, key, state_url=state, discovery=discovery, usage_dir=usage_dir
-        )
+            config, replicas, key, state_url=state, discovery=discovery, usage_dir=usage_dir,
+            plan=plan, lease_s=leader_lease_s,
+        )  # fmt: skip
     except GatewaySetupError as exc:
         fail(str(exc), CONFIG_EXIT_CODE)
     setup_logging(config.log_format)
@@ -232,7 +271,8 @@ def canary(
     model: ModelOption = None,
     storage: ConfigStorageOption = None,
 ) -> None:
-    """Send WEIGHT percent of traffic to RELEASE; a running `modelship up` follows."""
+    """Send WEIGHT percent of traffic to RELEASE; a running `modelship up` and every
+    `modelship gateway --storage` follow."""
     from modelship.release.traffic import start_canary
 
     _, store, slug = model_context(config_path, storage, model)

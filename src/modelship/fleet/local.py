@@ -1,9 +1,10 @@
 """`modelship up`: the gateway, the supervisor and the replicas of one model, locally.
 
 The release plan lives on storage (the `production` link and `traffic.json`); the fleet
-reads it every `plan_interval_s` and points the supervisor's tracks and the gateway's
-canary weight at it. A canary the gateway's judge rolls back is ended on storage too, so
-`modelship release status` tells the same story as the metrics. The drift probe
+reads it every `plan_interval_s` (`plan_follower.py`, as a standalone gateway does) and
+points the supervisor's tracks and the gateway's canary weight at it. A canary the
+gateway's judge rolls back is ended on storage too, so `modelship release status` tells
+the same story as the metrics. The drift probe
 (`gateway/drift.py`) compares every replica with its release's `golden.json`; a canary
 that drifts is rolled back like one that is slow.
 """
@@ -22,6 +23,7 @@ from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
 from modelship.fleet.metrics import FleetMetrics
+from modelship.fleet.plan_follower import PlanFollower
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
 from modelship.gateway.adapters import Action, FanOut, fan_out, is_under
 from modelship.gateway.app import create_gateway_app
@@ -34,7 +36,7 @@ from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
 from modelship.pipeline.errors import PipelineError
 from modelship.release import golden
-from modelship.release.traffic import end_canary, read_traffic
+from modelship.release.traffic import TrafficPlan, end_canary
 from modelship.server.process import ReplicaProcess
 from modelship.storage import Storage, StorageError, read_manifest
 from modelship.tracing import Tracing
@@ -54,7 +56,7 @@ class LocalFleet:
         self.config = config
         self.storage = storage
         self.slug = slug
-        self.plan_interval_s = plan_interval_s
+        self.plan = PlanFollower(storage, slug, self.sync_plan, plan_interval_s)
         self.served_model_name = config.serve.served_model_name or slug
         self.log_dir = storage.model_dir(slug) / "fleet"
         self.pool = EndpointPool(config.gateway.resilience)
@@ -214,16 +216,15 @@ class LocalFleet:
             except (KeyError, TypeError, ValueError) as exc:
                 logger.warning("no price for variant %s: %s", name, exc)
 
-    def sync_plan(self) -> None:
+    def sync_plan(self, plan: TrafficPlan, production: int | None) -> None:
         """Point the tracks and the canary weight at what storage says now."""
-        production = self.storage.production_release(self.slug)
         if production is not None:
             self.supervisor.set_target(STABLE, self.release_spec(production))
             for tier in self.config.gateway.tiers:  # the release's cheaper variants
                 folder = self.storage.variant_dir(self.slug, tier.variant)
                 spec = ReleaseSpec(production, folder, tier.variant)
                 self.supervisor.set_target(tier_group(tier.name), spec)
-        canary = read_traffic(self.storage, self.slug).canary
+        canary = plan.canary
         if canary is None or canary.release == production:
             self.supervisor.set_target(CANARY, None)
             self.service.canary.set_weight(0)
@@ -278,19 +279,11 @@ class LocalFleet:
             f"of the golden answers (minimum {probe.min_agreement:.0%})"
         )
 
-    async def _plan_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.plan_interval_s)
-            try:
-                self.sync_plan()
-            except Exception:  # a half-edited plan must not stop the fleet
-                logger.exception("reading the release plan failed; keeping the current one")
-
     async def _start(self) -> None:
-        self.sync_plan()
+        self.plan.sync()  # a plan unreadable at start is an error: nothing was serving yet
         self._tasks = [
             asyncio.create_task(self.supervisor.run()),
-            asyncio.create_task(self._plan_loop()),
+            asyncio.create_task(self.plan.run()),
         ]
         if self.config.gateway.drift_probe.enabled:
             self._tasks.append(asyncio.create_task(self.drift_probe.run()))

@@ -75,7 +75,9 @@ class CanarySplit:
             self.weight = weight
 
     def _judge(self) -> None:
-        if not self.config.auto_rollback or self.weight <= 0:
+        # At 100 (a standalone gateway after a promotion) the canary track serves
+        # production and stable gets only fallbacks: nothing to compare it with.
+        if not self.config.auto_rollback or not 0 < self.weight < 100:
             return
         verdict = self.judge.verdict()
         if not verdict.rollback:

@@ -261,6 +261,21 @@ def test_the_gateway_discovers_the_engine_pods_with_a_role_that_reads_endpointsl
     assert {"get", "create", "update"} <= verbs[("coordination.k8s.io", "leases")]
 
 
+def test_every_gateway_replica_writes_the_usage_ledger_to_the_models_volume() -> None:
+    """Each gateway pod appends its own ledger file to the model's usage/ folder on the
+    models volume, which `modelship usage` reads (`gateway/cost.py`)."""
+    from modelship.gateway.cost import USAGE_DIR
+
+    pod = one(render(config_for("deployment")).objects, "Deployment", f"{NAME}-gateway")
+    spec = pod["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["MODELSHIP_GATEWAY_USAGE_DIR"] == f"/data/models/{NAME}/{USAGE_DIR}"
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/data")
+    assert not mount.get("readOnly")
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert not volume["persistentVolumeClaim"].get("readOnly")
+
+
 def test_pinned_release_renders_a_rollback() -> None:
     config = config_for("deployment", deploy={"serving": {"release": 1}})
     _, container = engine_pod(render(config).objects, "deployment")

@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from modelship.deploy.context import RenderContext
-from modelship.deploy.names import CONFIG_PATH, labels, metadata, selector
+from modelship.deploy.names import CONFIG_PATH, DATA_ROOT, labels, metadata, selector
 from modelship.deploy.pod import (
     api_key_env,
     config_mount,
     config_volume,
+    data_mount,
     data_volume,
     engine_container,
     gpu_scheduling,
@@ -272,6 +273,10 @@ def gateway_env(ctx: RenderContext) -> list[Json]:
     canary = ctx.serving.canary
     if canary is not None:
         env.append({"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)})
+    # Every gateway replica appends the usage ledger to the models volume, a file of its
+    # own (`modelship usage` on that volume sums them); `gateway.cost.USAGE_DIR` is "usage".
+    usage = f"{DATA_ROOT}/models/{ctx.slug}/usage"
+    env.append({"name": "MODELSHIP_GATEWAY_USAGE_DIR", "value": usage})
     return env + api_key_env(ctx)  # the key the engines require, when they do
 
 
@@ -324,7 +329,7 @@ def gateway_deployment(ctx: RenderContext) -> Json:
         **probes("http", "/ready"),
         "lifecycle": prestop_sleep(ctx.serving.drain_delay_s),
         "resources": resources(gateway.resources, None),
-        "volumeMounts": [config_mount()],
+        "volumeMounts": [config_mount(), data_mount(read_only=False)],  # the usage ledger
         "securityContext": non_root(),
     }
     return {
@@ -343,7 +348,7 @@ def gateway_deployment(ctx: RenderContext) -> Json:
                     "serviceAccountName": name,  # `gateway_identity`'s
                     "terminationGracePeriodSeconds": termination_grace_s(ctx),
                     "containers": [container],
-                    "volumes": [config_volume(ctx)],
+                    "volumes": [config_volume(ctx), data_volume(ctx, read_only=False)],
                 },
             },
         },

@@ -13,10 +13,9 @@ import torch
 
 from modelship import LLM, SamplingParams
 from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
+from paged_model import BLOCK, random_ids, run
 
 from tiny_models import make_tokenizer
-
-BLOCK = 4
 
 
 def save_tiny_gemma2(folder: Path, kind: str = "gemma2", **overrides) -> Path:
@@ -85,24 +84,6 @@ BACKENDS = [
         marks=pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
     ),
 ]
-
-
-def random_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def run(model, steps, block_table, backend):
-    """One request step by step through a paged cache: steps = [(token ids, start)]."""
-    caches = allocate_kv_cache(model.config, 32, BLOCK, torch.float32, "cpu")
-    outputs = []
-    for ids, start in steps:
-        meta = AttentionMetadata.build(
-            [len(ids)], [start + len(ids)], [block_table], BLOCK, "cpu", backend
-        )
-        positions = torch.arange(start, start + len(ids))
-        with torch.no_grad():
-            outputs.append(model.compute_logits(model(ids, positions, caches, meta)))
-    return torch.cat(outputs)
 
 
 def reference_model(folder: Path):

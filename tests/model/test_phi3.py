@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from modelship import LLM, SamplingParams
-from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
+from modelship.model import load_model
 from modelship.model.config import ModelConfig, ModelConfigError
+from paged_model import BACKENDS, random_ids, run
 
 from tiny_models import make_tokenizer
 
-BLOCK = 4
 HEAD_DIM = 16  # hidden 64 over 4 heads
 PROMPT = "Continuous batching schedules requests at iteration granularity. " * 2
 
@@ -75,31 +75,6 @@ CASES = {
     "longrope": {"rope_scaling": longrope(48)},
     "longrope-attention-factor": {"rope_scaling": longrope(48, attention_factor=1.3)},
 }
-BACKENDS = [
-    "sdpa",
-    pytest.param(
-        "cpu",  # modelship's kernel: RoPE, cache write and attention in one call
-        marks=pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
-    ),
-]
-
-
-def random_ids(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def run(model, steps, block_table, backend):
-    """One request step by step through a paged cache: steps = [(token ids, start)]."""
-    caches = allocate_kv_cache(model.config, 32, BLOCK, torch.float32, "cpu")
-    outputs = []
-    for ids, start in steps:
-        meta = AttentionMetadata.build(
-            [len(ids)], [start + len(ids)], [block_table], BLOCK, "cpu", backend
-        )
-        positions = torch.arange(start, start + len(ids))
-        with torch.no_grad():
-            outputs.append(model.compute_logits(model(ids, positions, caches, meta)))
-    return torch.cat(outputs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

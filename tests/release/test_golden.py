@@ -77,3 +77,22 @@ def test_the_golden_prompts_with_tools_are_served(tiny_llama_dir: Path) -> None:
     assert set(golden.GOLDEN_TOOLS) <= set(golden.GOLDEN_PROMPTS)
     assert all(a.tokens and len(a.tokens) == len(a.logprobs) for a in answers)
     assert compare(answers, answers).tokens == 1.0
+
+
+def test_a_context_too_short_for_the_tool_prompt_leaves_it_out(tiny_llama_dir: Path) -> None:
+    """A replica whose max_model_len cannot hold the tools' definitions refuses that prompt
+    (400); the other answers are still the reference, without it."""
+    server = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len",
+                           "128", "--kv-cache-memory-mb", "16")  # fmt: skip
+    try:
+
+        async def ask_all() -> list[GoldenAnswer]:
+            async with httpx.AsyncClient() as client:
+                return await golden.ask_all(client, server.url, "tiny")
+
+        answers = asyncio.run(ask_all())
+    finally:
+        server.stop()
+    assert [a.prompt for a in answers] == [
+        p for p in golden.GOLDEN_PROMPTS if p not in golden.GOLDEN_TOOLS
+    ]

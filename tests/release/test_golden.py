@@ -58,21 +58,25 @@ def test_other_tool_calls_on_the_same_tokens_do_not_agree() -> None:
     assert compare(reference, unparsed).tokens == 0.0
 
 
+def served_golden_answers(model_dir: Path, max_model_len: int) -> list[GoldenAnswer]:
+    """`golden.ask_all` against a real replica of `model_dir`, started and stopped here."""
+    server = ServerProcess(model_dir, "--served-model-name", "tiny", "--max-model-len",
+                           str(max_model_len), "--kv-cache-memory-mb", "16")  # fmt: skip
+
+    async def ask_all() -> list[GoldenAnswer]:
+        async with httpx.AsyncClient() as client:
+            return await golden.ask_all(client, server.url, "tiny")
+
+    try:
+        return asyncio.run(ask_all())
+    finally:
+        server.stop()
+
+
 def test_the_golden_prompts_with_tools_are_served(tiny_llama_dir: Path) -> None:
     """Every golden prompt, the one that offers a tool included, is a request a replica
     accepts and answers with each token's logprob (what the drift probe compares)."""
-
-    server = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len",
-                           "512", "--kv-cache-memory-mb", "16")  # fmt: skip
-    try:
-
-        async def ask_all() -> list[GoldenAnswer]:
-            async with httpx.AsyncClient() as client:
-                return await golden.ask_all(client, server.url, "tiny")
-
-        answers = asyncio.run(ask_all())
-    finally:
-        server.stop()
+    answers = served_golden_answers(tiny_llama_dir, 512)
     assert [a.prompt for a in answers] == list(golden.GOLDEN_PROMPTS)
     assert set(golden.GOLDEN_TOOLS) <= set(golden.GOLDEN_PROMPTS)
     assert all(a.tokens and len(a.tokens) == len(a.logprobs) for a in answers)
@@ -82,17 +86,7 @@ def test_the_golden_prompts_with_tools_are_served(tiny_llama_dir: Path) -> None:
 def test_a_context_too_short_for_the_tool_prompt_leaves_it_out(tiny_llama_dir: Path) -> None:
     """A replica whose max_model_len cannot hold the tools' definitions refuses that prompt
     (400); the other answers are still the reference, without it."""
-    server = ServerProcess(tiny_llama_dir, "--served-model-name", "tiny", "--max-model-len",
-                           "128", "--kv-cache-memory-mb", "16")  # fmt: skip
-    try:
-
-        async def ask_all() -> list[GoldenAnswer]:
-            async with httpx.AsyncClient() as client:
-                return await golden.ask_all(client, server.url, "tiny")
-
-        answers = asyncio.run(ask_all())
-    finally:
-        server.stop()
+    answers = served_golden_answers(tiny_llama_dir, 128)
     assert [a.prompt for a in answers] == [
         p for p in golden.GOLDEN_PROMPTS if p not in golden.GOLDEN_TOOLS
     ]

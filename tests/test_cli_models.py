@@ -196,6 +196,11 @@ def test_steps_missing_before_a_command_are_named(tiny_llama_dir: Path, tmp_path
     assert up.returncode == 1
     assert "base-only has no production release" in up.stderr
     assert "modelship optimize --model base-only" in up.stderr
+    publish_variant(storage, "base-only", tiny_llama_dir, "fp16")  # optimized, not selected
+    up = run_cli("up", "--storage", str(tmp_path), "--model", "base-only")
+    assert up.returncode == 1
+    assert "variants (fp16) are optimized" in up.stderr
+    assert "modelship select --model base-only" in up.stderr
 
     verify = run_cli("verify", str(tmp_path / "nowhere"))
     assert verify.returncode == 1 and "no such folder" in verify.stderr

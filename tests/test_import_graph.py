@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "modelship.http_limits",
         "modelship.httptools_limited",
         "modelship.lifetime",
+        "modelship.liveness",
         "modelship.logs",
         "modelship.progress",
         "modelship.prompt_bounds",

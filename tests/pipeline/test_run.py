@@ -42,6 +42,14 @@ def test_kill_during_optimize_then_resume_redoes_only_unfinished(
     fp16_created = read_manifest(fp16).created_at
     status = json.loads((storage.model_dir("tiny") / "pipeline" / "status.json").read_text())
     assert status["state"] == "running"  # what the killed run left behind
+    shown = subprocess.run(
+        [sys.executable, "-m", "modelship", "status", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "pipeline interrupted" in shown.stdout  # not `running`: its pid is gone
+    assert "`modelship run` resumes it" in shown.stdout
 
     resumed = subprocess.run(run_command(config), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -219,6 +219,11 @@ def status(
         console.print(f"no pipeline run recorded for {slug} under {store.root}")
     else:
         console.print(f"pipeline {state['state']} (started {state['started_at']})")
+        if state["state"] == "interrupted":
+            console.print(
+                f"  the run (pid {state['pid']}) is gone: `modelship run` resumes it, "
+                "redoing only unfinished steps"
+            )
         table = Table("step", "state", "attempts", "seconds", "memoized", "detail")
         for name, step in state["steps"].items():
             facts = step.get("facts") or {}

@@ -44,15 +44,28 @@ from modelship.tracing import Tracing
 logger = logging.getLogger(__name__)
 
 
+def no_release_message(storage: Storage, slug: str) -> str:
+    """What to run next when there is nothing to serve: select if variants are made."""
+    optimized = storage.model_dir(slug) / "optimized"
+    made = sorted(p.parent.name for p in optimized.glob("*/manifest.json"))
+    if made:
+        return (
+            f"{slug} has no production release under {storage.root}; its variants "
+            f"({', '.join(made)}) are optimized: `modelship select --model {slug}` measures "
+            "them and publishes one"
+        )
+    return (
+        f"{slug} has no production release under {storage.root}; `modelship "
+        f"optimize --model {slug}` then `select` make one (`modelship run SOURCE`: all)"
+    )
+
+
 class LocalFleet:
     def __init__(
         self, config: ModelshipConfig, storage: Storage, slug: str, plan_interval_s: float = 1.0
     ) -> None:
         if storage.production_release(slug) is None:
-            raise PipelineError(
-                f"{slug} has no production release under {storage.root}; `modelship "
-                f"optimize --model {slug}` then `select` make one (`modelship run SOURCE`: all)"
-            )
+            raise PipelineError(no_release_message(storage, slug))
         self.config = config
         self.storage = storage
         self.slug = slug

@@ -13,6 +13,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from modelship.liveness import alive_here
 from modelship.storage import Storage
 from modelship.storage.manifest import now_iso
 from modelship.storage.store import write_json_atomic
@@ -53,16 +54,6 @@ def read_serving(storage: Storage, slug: str) -> ServingRecord | None:
         record = ServingRecord(**data)
     except (OSError, ValueError, TypeError):  # none, half-written by hand, or another shape
         return None
-    if record.hostname != socket.gethostname() or not _alive(record.pid):
+    if record.hostname != socket.gethostname() or not alive_here(record.hostname, record.pid):
         return None
     return record
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True

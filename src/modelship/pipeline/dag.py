@@ -12,6 +12,8 @@ atomically on every change so `modelship status` can read it at any time.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from modelship.config import RetryConfig
+from modelship.liveness import alive_here
 from modelship.pipeline.errors import PipelineError, TransientError
 from modelship.storage import write_json_atomic
 from modelship.storage.manifest import now_iso
@@ -31,6 +34,7 @@ TRANSIENT = (TransientError, ConnectionError, TimeoutError, BrokenProcessPool)
 PENDING, RUNNING, RETRYING, DONE, FAILED, BLOCKED = (
     "pending", "running", "retrying", "done", "failed", "blocked",
 )  # fmt: skip
+INTERRUPTED = "interrupted"  # read back only: the process that ran it is gone
 
 
 @dataclass
@@ -85,7 +89,13 @@ class DAG:
         self.sleep = sleep
         self.records = {name: StepRecord() for name in names}
         self._lock = threading.Lock()
-        self._status: dict[str, Any] = {"started_at": now_iso(), "state": RUNNING}
+        # Who runs it: `modelship status` tells a killed run from a live one by this.
+        self._status: dict[str, Any] = {
+            "started_at": now_iso(),
+            "state": RUNNING,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
     @property
     def status_path(self) -> Path:
@@ -205,9 +215,18 @@ def _close_logger(logger: logging.Logger) -> None:
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """status.json as written, except that a run whose process is gone (killed, or its
+    machine rebooted) reads as `interrupted`, with its unfinished steps, instead of
+    `running` forever."""
     import json
 
     path = run_dir / "status.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    status = json.loads(path.read_text())
+    if status.get("state") == RUNNING and not alive_here(status.get("hostname"), status.get("pid")):
+        status["state"] = INTERRUPTED
+        for step in status.get("steps", {}).values():
+            if step.get("state") in (RUNNING, RETRYING):
+                step["state"] = INTERRUPTED
+    return status

@@ -192,3 +192,50 @@ def test_integrity_under_random_operations(ops) -> None:
         manager.free(s)
     manager.check_integrity()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_window_frees_blocks_before_it_head_first_and_keeps_them_cached() -> None:
+    """Window 5, blocks of 2: after 8 computed tokens the next query (position 8) sees
+    4..8, so blocks 0 and 1 (positions 0..3) go back, hashed; a later sequence with the
+    same prefix still hits them."""
+    manager = BlockManager(num_blocks=8, block_size=2, window=5)
+    a = seq(list(range(8)), "a")
+    run_prompt(manager, a)
+    assert a.block_table == [0, 1, 2, 3]
+    manager.free_outside_window(a)
+    assert a.block_table == [bm_module.FREED, bm_module.FREED, 2, 3]
+    assert list(manager.free_queue) == [4, 5, 6, 7, 1, 0]  # hashed: evicted last, head last
+    manager.check_tables([a])
+    manager.check_integrity()
+    freed = bm_module.FREED
+    # decode: next query at 9 sees 5..9, block 2 (4..5) is still needed; at 10 it is not
+    for token, table in ((8, [freed, freed, 2, 3, 4]), (9, [freed, freed, freed, 3, 4])):
+        a.append_token(token)
+        manager.allocate(a, 1)
+        a.num_computed_tokens += 1
+        manager.cache_full_blocks(a)
+        manager.free_outside_window(a)
+        assert a.block_table == table
+    assert list(manager.free_queue) == [5, 6, 7, 1, 0, 2]
+    b = seq([*range(4), 70, 71, 72], "b")
+    assert manager.get_computed_blocks(b).block_ids == [0, 1]  # still in the cache
+    run_prompt(manager, b)
+    manager.free_outside_window(b)  # next query at 7 sees 3..7: block 0 goes back again
+    assert b.block_table == [freed, 1, 5, 6]
+    manager.check_tables([a, b])
+    manager.free(a)
+    manager.free(b)
+    assert manager.num_free_blocks == 8
+    manager.check_integrity()
+
+
+def test_without_a_window_nothing_is_freed_early() -> None:
+    manager = BlockManager(num_blocks=8, block_size=2)
+    a = seq(list(range(8)), "a")
+    run_prompt(manager, a)
+    manager.free_outside_window(a)
+    assert a.block_table == [0, 1, 2, 3]
+    assert manager.max_blocks_held(100, 16) == 50
+    windowed = BlockManager(num_blocks=8, block_size=2, window=5)
+    assert windowed.max_blocks_held(100, 16) == 11  # (5 - 1 + 16) / 2 + 1
+    assert windowed.max_blocks_held(6, 16) == 3

@@ -24,8 +24,11 @@ def ref_paged_attention(
     seq_lens: list[int],
     block_tables: list[list[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] float64
-    """Token by token, head by head, in float64: the definition, not an implementation."""
+    """Token by token, head by head, in float64: the definition, not an implementation.
+    With `window`, a query at position p sees p - window + 1 .. p (block tables may hold -1
+    for blocks no query sees)."""
     cache_k, cache_v = cache_k.double().clone(), cache_v.double().clone()
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -37,7 +40,9 @@ def ref_paged_attention(
             cache_v[slots[seq_len - query_len + j]] = v[row + j].double()
         for j in range(query_len):
             position = seq_len - query_len + j
-            visible = slots[: position + 1]
+            first = 0 if window is None else max(0, position - window + 1)
+            visible = slots[first : position + 1]
+            assert min(visible) >= 0, "a query sees a block the table no longer holds"
             for h in range(q.shape[1]):
                 keys = cache_k[visible, h // group]  # [position + 1, head_dim]
                 values = cache_v[visible, h // group]
@@ -106,6 +111,36 @@ def test_bf16_queries_with_fp32_cache(backend: str) -> None:
     out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3)
     assert out.dtype == torch.bfloat16 and cache.k.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+# Windows of 3 and 5 keys; -1: blocks wholly before every query's window, handed back to
+# the pool (as `BlockManager` does for a model whose every layer is windowed).
+WINDOWED = [
+    (3, dict(query_lens=[1, 5, 1, 3], seq_lens=[13, 5, 2, 11],
+             block_tables=[[-1, -1, 8, 3], [12, 9], [15], [-1, 0, 14]])),
+    (5, dict(query_lens=[7, 1, 1], seq_lens=[16, 9, 21],
+             block_tables=[[-1, 4, 1, 6], [-1, 2, 7], [-1, -1, -1, 10, 11, 13]])),
+    (5, dict(query_lens=[11], seq_lens=[11], block_tables=[[4, 1, 6]])),  # a whole prompt
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("window", "case"), WINDOWED)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_matches_reference(window: int, case: dict, backend: str) -> None:
+    q, k, v, cache = random_step(case["query_lens"], case["seq_lens"], num_slots=16 * BLOCK)
+    expected = ref_paged_attention(q, k, v, cache.k, cache.v, **case, scale=0.3, window=window)
+    meta = AttentionMetadata.build(**case, block_size=BLOCK, device="cpu", backend=backend)
+    out = paged_attention(q, torch.stack([k, v], dim=1), cache, meta, scale=0.3, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the window bites: without it the outputs differ
+    full = ref_paged_attention(q, k, v, cache.k, cache.v, **_unwindowed(case), scale=0.3)
+    assert not torch.allclose(full, expected, atol=1e-3)
+
+
+def _unwindowed(case: dict) -> dict:
+    """`case` with its -1 blocks swapped for real ones (their contents: noise)."""
+    tables = [[5 if b == -1 else b for b in table] for table in case["block_tables"]]
+    return {**case, "block_tables": tables}
 
 
 def _lens(case: dict) -> dict:

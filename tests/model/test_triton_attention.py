@@ -39,15 +39,18 @@ def ref_attention(
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] float64
     """Request by request: gather the context through the block table, then float64 SDPA
-    with a causal mask offset by the tokens already computed."""
+    with a causal mask offset by the tokens already computed (and the sliding window)."""
     out, row = [], 0
     for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         context = kv[slots].double()  # [seq_len, 2, kv_heads, head_dim]
         positions = torch.arange(seq_len - query_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= positions[:, None]  # [query_len, seq_len]
+        if window is not None:
+            mask &= torch.arange(seq_len)[None, :] > positions[:, None] - window
         o = F.scaled_dot_product_attention(
             q[row : row + query_len].double().transpose(0, 1),  # [heads, query_len, head_dim]
             context[:, 0].transpose(0, 1),  # [kv_heads, seq_len, head_dim]
@@ -80,16 +83,18 @@ def random_step(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dty
     return q, kv, KVCache(noise.to(DEVICE, dtype)), tables
 
 
-def check(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+def check(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0, window=None):
     q, kv, cache, tables = random_step(
         query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed
     )
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, "triton")
     assert meta.backend == "triton" and meta.block_table is not None
-    out = paged_attention(q, kv, cache, meta, SCALE)
+    out = paged_attention(q, kv, cache, meta, SCALE, window)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(cache.kv[meta.slot_mapping], kv)  # the step's K/V landed
-    expected = ref_attention(q.cpu(), cache.kv.cpu(), query_lens, seq_lens, tables, block_size)
+    expected = ref_attention(
+        q.cpu(), cache.kv.cpu(), query_lens, seq_lens, tables, block_size, window
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
 
@@ -124,6 +129,15 @@ def test_half_precision_cache(dtype: torch.dtype) -> None:
 
 def test_head_dim_128_fp32() -> None:
     check([1, 6], [20, 30], 4, 4, 128, 16, torch.float32)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_sliding_window(heads: int, kv_heads: int) -> None:
+    """Decodes past the window, a chunk after a prefix and a whole prompt. With one query
+    head per kv head and head_dim 128 a prefill tile is 64 rows over 32-key tiles: its later
+    rows see no key of the first key tile (an all -inf row, which must not become NaN)."""
+    check([1, 41, 1, 70], [70, 70, 9, 70], heads, kv_heads, 128, 16, torch.float32, window=5)
+    check([1, 20, 1], [33, 20, 3], heads, kv_heads, 64, 4, torch.float32, window=16)
 
 
 @pytest.mark.parametrize("shared_request", [False, True])
@@ -197,10 +211,11 @@ def test_greedy_tokens_equal_sdpa(tiny_llama_dir: Path) -> None:
     assert tokens["triton"] == tokens["sdpa"]
 
 
-# Compiles both launches for an H100 (sm_90) with the wheel's ptxas, no GPU needed: what the
-# interpreter never checks (tl.dot's minimum sizes, layouts, shared memory).
+# Compiles both launches, with and without a window, for an H100 (sm_90) with the wheel's
+# ptxas, no GPU needed: what the interpreter never checks (tl.dot's minimum sizes, layouts,
+# shared memory).
 _COMPILE_SM90 = """
-import torch, triton
+import itertools, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from modelship.model import triton_attention as ta
@@ -209,8 +224,8 @@ kernel = ta._paged_attention_kernel
 types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "scale_log2": "fp32"}
 types.update({name: "*i32" for name in ("block_table_ptr", "token_request_ptr",
                                          "token_position_ptr")})
-for launch in ta.launch_configs(4, 128, 16, torch.bfloat16):
-    constexprs = {k: v for k, v in launch.items() if k != "num_warps"}
+for launch, window in itertools.product(ta.launch_configs(4, 128, 16, torch.bfloat16), (0, 4096)):
+    constexprs = {k: v for k, v in launch.items() if k != "num_warps"} | {"WINDOW": window}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
                  for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs),

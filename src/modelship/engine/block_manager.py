@@ -13,6 +13,16 @@ can cost a miss but never a wrong answer. A sequence's `cache_salt` (its tenant'
 namespace) stands in for the first block's parent, so every hash of the chain depends on
 it: sequences with different salts never share a block, whatever their tokens, and a
 tenant's time to first token says nothing about another tenant's prompts.
+
+Sliding windows (`window`, set when every layer of the model attends to its last `window`
+positions only, as Mistral v0.1): a query at position p reads p - window + 1 .. p, and a
+running sequence's next query is at `num_computed_tokens`, so a block wholly before that
+query's window is read by no later step of the sequence. `free_outside_window` hands such
+blocks back while the sequence runs, head first, and leaves -1 in their place in the block
+table (the table stays indexed by position; attention never reads those entries). A
+returned full block keeps its hash like any freed block: another sequence with the same
+prefix still takes it from the cache until it is evicted. For models with some global layer
+(Gemma) `window` is None: every block stays until the sequence ends.
 """
 
 from __future__ import annotations
@@ -65,15 +75,25 @@ class ComputedBlocks:
 
 
 NO_HIT = ComputedBlocks([], [], 0)
+FREED = -1  # a block-table entry whose block went back to the pool (outside the window)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be at least 1")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -91,6 +111,15 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens holds at once, running at most
+        `max_step_tokens` tokens a step: all of them, or with a window the blocks of the
+        window before a step's first token and of the step's tokens."""
+        need = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return need
+        return min(need, self.blocks_needed(self.window - 1 + max_step_tokens) + 1)
 
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
         """The longest cached prefix of `seq`'s tokens, in full blocks. Does not modify state.
@@ -172,6 +201,25 @@ class BlockManager:
                 block.token_ids = tokens
                 self.hash_to_block[block_hash] = block.block_id
 
+    def free_outside_window(self, seq: Sequence) -> None:
+        """Hand back the blocks of `seq` wholly before its next query's window (none without
+        a window); their table entries become `FREED`. Call after `cache_full_blocks`, so a
+        full block is hashed (and reusable from the cache) before it goes."""
+        if self.window is None:
+            return
+        first_seen = seq.num_computed_tokens - self.window + 1  # the next query's first key
+        i = max(0, first_seen) // self.block_size - 1  # the last block wholly before it
+        # tables are freed head first: walk back to the previous call's last freed entry
+        while i >= 0 and seq.block_table[i] != FREED:
+            block = self.blocks[seq.block_table[i]]
+            seq.block_table[i] = FREED
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                if block.hash is None:  # nothing to reuse: evict it first
+                    self.free_queue.move_to_end(block.block_id, last=False)
+            i -= 1
+
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the tail blocks of `seq` past the first `num_tokens` tokens' (the slots of
         rejected speculative drafts). Such blocks hold no computed full block: never hashed."""
@@ -187,6 +235,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first; cached ones stay reusable until evicted."""
         for block_id in reversed(seq.block_table):
+            if block_id == FREED:  # the rest went back already (`free_outside_window`)
+                break
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -221,7 +271,8 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for seq in seqs:
             for block_id in seq.block_table:
-                counts[block_id] += 1
+                if block_id != FREED:
+                    counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "

@@ -315,7 +315,8 @@ class DecodeGraphRunner:
         ]
         self.ids[:, :size].copy_(torch.tensor(values))
         self.token_position[:size].copy_(self.ids[1, :size])
-        self.block_table[:size, :width].copy_(torch.tensor(rows))
+        # -1: a block freed outside the window (never read); any valid id stands in
+        self.block_table[:size, :width].copy_(torch.tensor(rows).clamp_(min=0))
         self.block_table[:size, width:].fill_(scratch)
         hidden = self._replays[size]()  # [size, hidden]
         self.num_replays[size] += 1

@@ -57,8 +57,11 @@ class LLMEngine:
         self.model_path, self.max_model_len = worker.model_path, worker.max_model_len
         self.model, self.kv_caches, self.runner = worker.model, worker.kv_caches, worker.runner
         self.tokenizer, self.loras, self.tp_group = worker.tokenizer, worker.loras, worker.tp_group
+        # Blocks before every layer's window go back while a sequence runs (Mistral v0.1);
+        # not with a draft model, which reads the same block tables over all positions.
+        window = worker.model.config.kv_window if worker.draft is None else None
         self.block_manager = BlockManager(
-            worker.num_blocks, worker.block_size, self.config.enable_prefix_caching
+            worker.num_blocks, worker.block_size, self.config.enable_prefix_caching, window
         )
         # structured outputs: each request's grammar, compiled once per distinct spec
         self.grammars = GrammarCompiler(self.tokenizer, worker.vocab_size, worker.eos_token_ids)

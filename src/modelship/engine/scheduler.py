@@ -95,10 +95,13 @@ class Scheduler:
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
         total = seq.num_prompt_tokens + (max_tokens or self.max_model_len - seq.num_prompt_tokens)
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+        manager = self.block_manager
+        # with a window (every layer's), the blocks before it go back as the sequence runs
+        held = manager.max_blocks_held(total, self.config.max_num_batched_tokens)
+        if held > manager.num_blocks:
             raise RequestTooLongError(
-                f"request needs {total} tokens of KV cache; the whole cache holds "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}"
+                f"request needs {min(total, held * manager.block_size)} tokens of KV cache "
+                f"at once; the whole cache holds {manager.num_blocks * manager.block_size}"
             )
         num_seqs = 1 + num_held_back
         if self.num_waiting + num_seqs > self.config.max_waiting_requests:
@@ -282,6 +285,7 @@ class Scheduler:
                     break
             seq.num_computed_tokens = min(computed, seq.num_tokens)
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.free_outside_window(seq)
             if num_rejected and reason is None:
                 self.block_manager.trim(seq, seq.num_tokens)
             if reason is not None:

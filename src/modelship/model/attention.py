@@ -19,7 +19,13 @@ or fp8 cache is dequantized to fp32 as it is gathered): all
 decode requests (one query token) in one batched SDPA call over their gathered, padded
 contexts, and each prefill chunk in its own call with a causal mask offset by the tokens
 already computed. Everything index-like is built once per step in `AttentionMetadata.build`
-and shared by all layers. On CUDA, SDPA runs without its cuDNN backend, which plans anew for
+and shared by all layers.
+
+Sliding windows (`window`: Mistral v0.1, Gemma's local layers): a query at position p sees
+positions p - window + 1 .. p. The kernels start at the window's first block (the blocks
+before it may have gone back to the pool: `BlockManager` swaps them for -1 in a table,
+which `build` reads as block 0, never dereferenced); SDPA adds the window to its masks,
+built once per step and window. On CUDA, SDPA runs without its cuDNN backend, which plans anew for
 every padded length it sees (78% of the CPU time of a decode step on an H100).
 """
 
@@ -28,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +71,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [num_decode, max_len] context slots, padded with 0
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len]; None: no padding
     prefills: list[PrefillChunk]
+    decode_lens: torch.Tensor | None = None  # [num_decode] context lengths (SDPA, windows)
     # The CPU and Triton kernels' inputs (None on SDPA): blocks of each request
     # [num_requests, width] int32, and each token's request and position [num_tokens] int32.
     block_table: torch.Tensor | None = None
@@ -72,6 +79,10 @@ class AttentionMetadata:
     token_position: torch.Tensor | None = None
     block_size: int = 0
     backend: str = "sdpa"  # "cpu", "triton" or "sdpa"
+    # SDPA's masks with a window, by window: (decode mask, one mask per prefill chunk)
+    _window_masks: dict[int, tuple[torch.Tensor | None, list[torch.Tensor]]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def build(
@@ -85,7 +96,8 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Request i runs `query_lens[i]` new tokens, the last ones of its `seq_lens[i]`.
 
-        `block_tables[i]` must cover `seq_lens[i]` tokens. Python work is per request and
+        `block_tables[i]` must cover `seq_lens[i]` tokens; -1 stands for a block outside
+        every layer's window (read as block 0, never attended to). Python work is per request and
         per block, never per token; index tensors are built on the CPU and moved once.
         `backend`: "cpu" (modelship's kernel; see the module docstring), "triton" (the same
         fields, on `device`: one transfer of the int32 ones, one of `slot_mapping`) or "sdpa".
@@ -103,7 +115,7 @@ class AttentionMetadata:
         width = max(num_blocks)
         table = torch.tensor(
             [t[:n] + [0] * (width - n) for t, n in zip(block_tables, num_blocks, strict=True)]
-        )
+        ).clamp_(min=0)
         # [num_requests, width * block_size]: slot of every context position of every request
         slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)
         q_lens = torch.tensor(query_lens)
@@ -138,10 +150,11 @@ class AttentionMetadata:
             raise ValueError(f"attention backend {backend!r}; supported: cpu, triton, sdpa")
 
         decode = [i for i, q in enumerate(query_lens) if q == 1]
-        decode_rows = decode_slots = decode_mask = None
+        decode_rows = decode_slots = decode_mask = decode_lens = None
         if decode:
             lens = [seq_lens[i] for i in decode]
             max_len = max(lens)
+            decode_lens = torch.tensor(lens).to(device)
             decode_slots = slots[decode, :max_len].to(device)
             if min(lens) != max_len:
                 valid = torch.arange(max_len) < torch.tensor(lens).unsqueeze(1)
@@ -169,7 +182,31 @@ class AttentionMetadata:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_lens=decode_lens,
         )
+
+    def window_masks(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """SDPA's masks with a sliding window (True = attend), made at a layer's first ask
+        and reused by the step's other layers with that window: the decode batch's
+        [num_decode, 1, 1, max_len] (None without decode rows) and each prefill chunk's
+        [num_tokens, seq_len]."""
+        if window not in self._window_masks:
+            decode = None
+            if self.num_decode:
+                assert self.decode_slots is not None and self.decode_lens is not None
+                keys = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
+                lens = self.decode_lens.unsqueeze(1)
+                decode = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
+            chunks = []
+            for chunk in self.prefills:
+                device = self.slot_mapping.device
+                slots = chunk.context_slots
+                length = chunk.num_tokens if slots is None else len(slots)
+                keys = torch.arange(length, device=device)
+                queries = torch.arange(length - chunk.num_tokens, length, device=device)[:, None]
+                chunks.append((keys <= queries) & (keys > queries - window))
+            self._window_masks[window] = (decode, chunks)
+        return self._window_masks[window]
 
 
 def paged_attention(
@@ -178,9 +215,11 @@ def paged_attention(
     cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Write this step's K/V into the cache at `meta.slot_mapping`, then let every query
-    attend causally to its request's whole context, read through its block table."""
+    attend causally to its request's whole context (with `window`, to its last `window`
+    positions), read through its block table."""
     out_dtype, work_dtype = q.dtype, cache.dtype  # fp32 for an int8/fp8 cache
     kv = kv.to(work_dtype)
     cache.write(meta.slot_mapping, kv)
@@ -197,6 +236,7 @@ def paged_attention(
             meta.token_position,
             meta.block_size,
             scale,
+            window,
         )
     if meta.backend == "cpu":
         out = cpu_kernels.paged_attention(
@@ -208,11 +248,12 @@ def paged_attention(
             meta.token_position,
             meta.block_size,
             scale,
+            window,
         )
         return out.to(out_dtype)
     q = q.to(work_dtype)
     with _sdpa_backends(q.device):
-        return _sdpa(q, kv, cache, meta, scale).to(out_dtype)
+        return _sdpa(q, kv, cache, meta, scale, window).to(out_dtype)
 
 
 def _sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
@@ -231,16 +272,21 @@ def _sdpa(
     cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] in the cache's dtype
     """Decode requests in one batched SDPA call, each prefill chunk in its own."""
+    decode_mask, chunk_masks = meta.decode_mask, [chunk.mask for chunk in meta.prefills]
+    if window is not None:
+        decode_mask, chunk_masks = meta.window_masks(window)
     if not meta.prefills:  # decode only: the common step, no scatter needed
-        return _decode(q, cache, meta, scale)
+        return _decode(q, cache, meta, scale, decode_mask)
     work_dtype = q.dtype
     out = torch.empty(q.shape, dtype=work_dtype, device=q.device)
     if meta.num_decode:
         assert meta.decode_rows is not None
-        out[meta.decode_rows] = _decode(q.index_select(0, meta.decode_rows), cache, meta, scale)
-    for chunk in meta.prefills:
+        decode_q = q.index_select(0, meta.decode_rows)
+        out[meta.decode_rows] = _decode(decode_q, cache, meta, scale, decode_mask)
+    for chunk, mask in zip(meta.prefills, chunk_masks, strict=True):
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.context_slots is None and cache.scales is None:  # whole prompt: K/V at hand
             context = kv[rows]
@@ -252,8 +298,8 @@ def _sdpa(
             q[rows].transpose(0, 1).unsqueeze(0),  # [1, heads, num_tokens, head_dim]
             context[:, 0].transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
             context[:, 1].transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -266,6 +312,7 @@ def _decode(
     cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    mask: torch.Tensor | None,  # [num_decode, 1, 1, max_len] True = attend; None: all
 ) -> torch.Tensor:  # [num_decode, heads, head_dim]
     """One query token per request, all requests in one SDPA call over padded contexts."""
     assert meta.decode_slots is not None
@@ -276,7 +323,7 @@ def _decode(
         q.unsqueeze(2),  # [num_decode, heads, 1, head_dim]
         context[:, :, 0].transpose(1, 2),  # [num_decode, kv_heads, max_len, head_dim]
         context[:, :, 1].transpose(1, 2),
-        attn_mask=meta.decode_mask,
+        attn_mask=mask,
         scale=scale,
         enable_gqa=True,
     )

@@ -94,7 +94,8 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     quantization_config: dict[str, Any] | None
-    # Tokens a query may look back (Mistral v0.1; Qwen2 with use_sliding_window); None: all.
+    # Tokens a query sees, its own included (Mistral v0.1, Phi-3, Qwen2 with
+    # use_sliding_window, Gemma's local layers), in the layers `layer_window` says; None: all.
     sliding_window: int | None = None
     # "head": q/k RMSNorm per head (Qwen3); "full": over all heads at once (OLMoE).
     qk_norm_scope: str = "head"
@@ -107,7 +108,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    # per layer "sliding_attention" or "full_attention" where the config lists them (Gemma 2)
+    # per layer "sliding_attention" or "full_attention" where the config lists them or its
+    # family implies them (Gemma 2 and 3, Qwen2/3's max_window_layers); None: all alike
     layer_types: tuple[str, ...] | None = None
     # Gemma 3: the sliding layers' RoPE base (unscaled); None: all layers rotate alike
     local_rope_theta: float | None = None
@@ -120,6 +122,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ModelConfigError(
+                f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}"
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -157,6 +163,20 @@ class ModelConfig:
         except ValueError as exc:
             raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
         return cls.from_dict(raw, origin=str(path))
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: it attends to every position)."""
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of every layer when all are windowed alike (Mistral v0.1): a block
+        wholly before it is read by no later query, in any layer. None when some layer
+        attends to everything (Gemma's global layers need every block)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], origin: str = "config.json") -> ModelConfig:
@@ -249,10 +269,23 @@ class ModelConfig:
 
 
 def _layer_types(raw: dict[str, Any], architecture: str) -> tuple[str, ...] | None:
-    """`layer_types`, or Gemma 3's older `sliding_window_pattern` (every n-th layer global,
-    6 by default) spelled out."""
+    """`layer_types`, or what a config without them implies, spelled out: Qwen2/3's
+    `max_window_layers` (with `use_sliding_window`), Gemma 2's alternation, Gemma 3's older
+    `sliding_window_pattern` (every n-th layer global, 6 by default)."""
     if raw.get("layer_types"):
         return tuple(raw["layer_types"])
+    num_layers = raw["num_hidden_layers"]
+    if raw.get("use_sliding_window") and raw.get("max_window_layers") is not None:
+        # Qwen2/3 as transformers reads them: the first max_window_layers layers see all
+        first_windowed = raw["max_window_layers"]
+        return tuple(
+            "sliding_attention" if i >= first_windowed else "full_attention"
+            for i in range(num_layers)
+        )
+    if architecture == "Gemma2ForCausalLM":  # transformers' default: the even layers slide
+        return tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        )
     if architecture != "Gemma3ForCausalLM":
         return None
     pattern = raw.get("sliding_window_pattern") or 6

@@ -181,10 +181,14 @@ def paged_attention(
     token_position: torch.Tensor,  # [num_tokens] int32
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim] fp32
+    """Each query over its request's positions 0 .. its own; with `window`, over the last
+    `window` of them only (its own included)."""
     return torch.ops.modelship.paged_attention(
-        q, kv, kv_scales, block_table, token_request, token_position, block_size, scale
-    )
+        q, kv, kv_scales, block_table, token_request, token_position, block_size, scale,
+        window or 0,
+    )  # fmt: skip
 
 
 def rope_paged_attention(
@@ -195,9 +199,11 @@ def rope_paged_attention(
     meta,  # AttentionMetadata built for the "cpu" backend
     scale: float,
     num_heads: int,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, heads * head_dim] in qkv's dtype
     """RoPE on q and k, the cache write (int8: quantized per head vector, as
-    `kv_cache.quantize_kv`) and paged attention in one call (one layer)."""
+    `kv_cache.quantize_kv`) and paged attention in one call (one layer); `window` as in
+    `paged_attention`."""
     return torch.ops.modelship.rope_paged_attention(
         qkv.contiguous(),
         cache.kv,
@@ -211,6 +217,7 @@ def rope_paged_attention(
         meta.block_size,
         scale,
         num_heads,
+        window or 0,
     )
 
 

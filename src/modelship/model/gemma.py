@@ -14,11 +14,13 @@ Soft-capping sits between q k^T and the softmax, which neither the CPU kernel no
 Triton kernel nor SDPA can do, so Gemma 2's attention runs in PyTorch ("eager"): the
 K/V are written to the paged cache as everywhere, then each request's context is read
 through whichever metadata the step was built for, one request at a time (a log line
-says so at load). The fused CPU decoder is declined for the same reason.
+says so at load). Gemma 3 has no soft-cap: its attention runs in the step's backend. The
+fused CPU decoder is declined for both (sandwich norms).
 
 Sliding-window layers (`layer_types`, else every other one from the first) let a query see
-only the last `sliding_window` positions up to its own, masked in the same PyTorch
-attention; the KV blocks that fall out of every window are kept, not freed.
+only the last `sliding_window` positions up to its own, in the kernels as in the PyTorch
+attention. The global layers read every position, so the KV blocks that fall out of the
+windows are kept, not freed (`ModelConfig.kv_window` is None).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelship.model.attention import AttentionMetadata
+from modelship.model.attention import AttentionMetadata, paged_attention
 from modelship.model.config import ModelConfig, ModelConfigError
 from modelship.model.kv_cache import KVCache
 from modelship.model.layers import GatedMLP, LinearFactory, RMSNorm, RotaryEmbedding, apply_rope_
@@ -40,20 +42,6 @@ from modelship.model.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
-
-
-# Architectures whose sliding window is applied (the loader warns about the others').
-WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-
-
-def is_sliding(config: ModelConfig, index: int) -> bool:
-    """Whether layer `index` attends within `sliding_window` (transformers' default for
-    Gemma 2 configs without `layer_types`: the even layers)."""
-    if config.sliding_window is None:
-        return False
-    if config.layer_types is not None:
-        return config.layer_types[index] == "sliding_attention"
-    return index % 2 == 0
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -82,7 +70,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.head_dim, self.q_size = config.head_dim, config.q_size
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping
-        self.window = config.sliding_window if is_sliding(config, index) else None
+        self.window = config.layer_window(index)
         self.qkv_proj = linear(
             [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], config.qkv_bias
         )
@@ -131,7 +119,10 @@ class Gemma2DecoderLayer(nn.Module):
         apply_rope_(qkv[:, : self.q_size + kv_heads * dim].view(n, heads + kv_heads, dim), cos, sin)
         q = qkv[:, : self.q_size].view(n, heads, dim)
         kv = qkv[:, self.q_size :].view(n, 2, kv_heads, dim)
-        attn = softcapped_attention(q, kv, cache, meta, self.scale, self.softcap, self.window)
+        if self.softcap is None:  # Gemma 3: the step's kernel
+            attn = paged_attention(q, kv, cache, meta, self.scale, self.window)
+        else:
+            attn = softcapped_attention(q, kv, cache, meta, self.scale, self.softcap, self.window)
         attn = self.post_attention_layernorm(self.o_proj(attn.reshape(n, self.q_size)))
         residual = attn.add_(residual)
         out = self.mlp(self.pre_feedforward_layernorm(residual))
@@ -241,14 +232,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             )
             self.local_rotary = RotaryEmbedding(local, max_positions, device)
             self.rotaries.append(self.local_rotary)
-        logger.info(
-            "%s: attention soft-capping (attn_logit_softcapping %s) and sliding windows "
-            "(sliding_window %s) are not in the CPU, Triton or SDPA kernels: attention runs in "
-            "PyTorch ops",
-            config.architecture,
-            config.attn_logit_softcapping,
-            config.sliding_window,
-        )
+        if config.attn_logit_softcapping is not None:
+            logger.info(
+                "%s: attention soft-capping (attn_logit_softcapping %s) is not in the CPU, "
+                "Triton or SDPA kernels: attention runs in PyTorch ops",
+                config.architecture,
+                config.attn_logit_softcapping,
+            )
 
     def enable_lora(self):
         raise ValueError(f"LoRA adapters on {self.config.architecture} are not supported")
@@ -262,6 +252,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return False
 
     def graph_capture_error(self) -> str | None:
+        if self.config.attn_logit_softcapping is None:
+            return None
         # `_requests` reads the step's request boundaries back to the host every layer
         return (
             f"{self.config.architecture}'s soft-capped attention walks the step's requests "

@@ -10,8 +10,9 @@ only per-request work is attention, which reads the paged KV cache (`attention.p
 q/k/v and gate/up are fused into one projection each at load time, so a layer runs four
 matmuls. On CPU-kernel steps with W4A8 projections all layers run in one C++ call
 (`fused_decoder.py`); `DecoderLayer.forward` is the path for everything else.
-Sliding-window attention (Mistral v0.1) is not implemented: such models are exact only up
-to their window.
+Sliding windows (`sliding_window` in config.json: Mistral v0.1 and Phi-3 in every layer,
+Qwen2/3 past `max_window_layers`) go to every attention backend; the fused decoder has
+none, so a windowed model runs layer by layer.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class DecoderLayer(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
+        self.window = config.layer_window(index)  # None: attends to every position
         self.qk_norm = config.qk_norm
         self.qk_norm_per_head = config.qk_norm_scope == "head"
         self.clip_qkv = config.clip_qkv
@@ -111,7 +113,7 @@ class DecoderLayer(nn.Module):
         if meta.backend == "cpu":  # one kernel call: RoPE, cache write and attention
             # cos/sin are the whole tables here, indexed by position inside the kernel
             attn = cpu_kernels.rope_paged_attention(
-                qkv, cache, cos, sin, meta, self.scale, heads
+                qkv, cache, cos, sin, meta, self.scale, heads, self.window
             )  # [num_tokens, q_size]
             residual = self.o_proj(attn).add_(residual)
             return self.mlp(self.post_attention_layernorm(residual)), residual
@@ -120,7 +122,7 @@ class DecoderLayer(nn.Module):
         apply_rope_(qkv[:, :qk_size].view(num_tokens, heads + kv_heads, head_dim), cos, sin)
         q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
         kv = qkv[:, q_size:].view(num_tokens, 2, kv_heads, head_dim)
-        attn = paged_attention(q, kv, cache, meta, self.scale)  # [num_tokens, heads, head_dim]
+        attn = paged_attention(q, kv, cache, meta, self.scale, self.window)
         residual = self.o_proj(attn.reshape(num_tokens, q_size)).add_(residual)
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
@@ -206,6 +208,14 @@ class LlamaForCausalLM(CausalLM):
                 self.config.architecture,
                 moe_layers,
                 len(self.layers),
+            )
+            return False
+        if any(layer.window is not None for layer in self.layers):
+            logger.info(
+                "%s: the fused CPU decoder has no sliding window (sliding_window %d): "
+                "layers run one by one",
+                self.config.architecture,
+                self.config.sliding_window,
             )
             return False
         if not all(can_fuse(layer) for layer in self.layers):

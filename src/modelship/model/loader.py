@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
-from modelship.model.gemma import WINDOWED_ARCHITECTURES
 from modelship.model.moe import expert_names
 from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
@@ -195,17 +194,6 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     dtype = resolve_dtype(config, device, dtype)
     max_positions = max_positions or config.max_position_embeddings
-    if (
-        config.sliding_window is not None
-        and config.sliding_window < max_positions
-        and config.architecture not in WINDOWED_ARCHITECTURES
-    ):
-        logger.warning(
-            "%s: sliding-window attention (%d tokens) is not implemented; outputs are exact "
-            "only for contexts up to the window",
-            model_dir,
-            config.sliding_window,
-        )
     quantization = create_quantization(config.quantization_config, int4_kernel)
     with ExitStack() as stack, torch.no_grad():
         checkpoint = _Checkpoint(model_dir, stack, config)

@@ -3,8 +3,9 @@
 Reads K/V in place from the flat cache (`KVCache.kv`, [slots, 2, kv_heads, head_dim],
 slot = block_id * block_size + offset) through the block tables, with the CPU kernel's
 metadata (`AttentionMetadata.build(..., backend="triton")`): a query token at position p of
-request r attends to r's keys at positions 0..p. Decode, chunked prefill and prefill over a
-cached prefix are the same case.
+request r attends to r's keys at positions 0..p (with a sliding window W, p - W + 1..p: the
+key loop starts at the tile's lowest such position, so blocks before every row's window are
+never read). Decode, chunked prefill and prefill over a cached prefix are the same case.
 
 The launches depend on nothing but `num_tokens` (and the model's shapes): the grid is
 [num_tokens, num_kv_heads] and every loop bound is loaded from `token_position` inside the
@@ -66,6 +67,7 @@ def _attend(
     BLOCK_H: tl.constexpr,  # query heads per token, GROUP rounded up
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # 0: causal over all keys; else the sliding window
 ):
     """One tile: up to BLOCK_Q rows of `request` from `first_row` on, whose positions lie
     below the next multiple of BLOCK_Q, each with the GROUP query heads of `kv_head`."""
@@ -80,7 +82,8 @@ def _attend(
     first_position = tl.load(token_position_ptr + first_row)
     window_end = (first_position // BLOCK_Q + 1) * BLOCK_Q
     row_ok = (row_request == request) & (row_position < window_end)
-    row_position = tl.where(row_ok, row_position, 0)  # every row sees key 0: no empty softmax
+    # rows of other requests (or past the batch) compute the first row's again, unstored
+    row_position = tl.where(row_ok, row_position, first_position)
     query_ok = row_ok & (offs_m % BLOCK_H < GROUP)
     row64 = row.to(tl.int64)
 
@@ -94,10 +97,14 @@ def _attend(
     k_base = kv_ptr + kv_head * stride_kv_head
     v_base = k_base + stride_kv_part
 
+    first_key = 0
+    if WINDOW > 0:  # the first row has the tile's lowest position: its window starts first
+        first_key = tl.maximum(first_position - WINDOW + 1, 0)
+
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
+    for start in range(first_key, num_keys, BLOCK_N):
         key_position = start + tl.arange(0, BLOCK_N)
         key_ok = key_position < num_keys
         block = tl.load(table_row_ptr + key_position // BLOCK_SIZE, mask=key_ok, other=0)
@@ -108,12 +115,19 @@ def _attend(
         v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = key_position[None, :] <= row_position[:, None]  # causal, per row
+        if WINDOW > 0:
+            visible = visible & (key_position[None, :] > row_position[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
-        # key 0 is in the first tile and visible to every row, so m_new is finite from
-        # the first tile on and no exp2 sees (-inf) - (-inf)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        # Without a window key 0 is in the first tile and visible to every row, so m_new is
+        # finite from the first tile on. With one, a later row's window may start past this
+        # key tile (all its scores -inf so far): exp2 must not see (-inf) - (-inf), so such
+        # rows subtract 0 (p and alpha are then 0) and keep m_i at -inf.
+        m_sub = m_new
+        if WINDOW > 0:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -158,6 +172,7 @@ def _paged_attention_kernel(
     BLOCK_H: tl.constexpr,  # head rows per token (tl.dot needs TILE_Q * BLOCK_H >= 16)
     DOT_DTYPE: tl.constexpr,  # the cache's dtype (see `_dot_dtype`)
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # 0: none; else the sliding window (one compile per window)
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -174,7 +189,7 @@ def _paged_attention_kernel(
                 stride_q_token, stride_q_head, stride_kv_slot, stride_kv_part, stride_kv_head,
                 stride_out_token, stride_out_head,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, 1, BLOCK_H, DOT_DTYPE,
-                DOT_PRECISION,
+                DOT_PRECISION, WINDOW,
             )  # fmt: skip
     else:
         position = tl.load(token_position_ptr + row)
@@ -186,7 +201,7 @@ def _paged_attention_kernel(
                 stride_q_token, stride_q_head, stride_kv_slot, stride_kv_part, stride_kv_head,
                 stride_out_token, stride_out_head,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, TILE_Q, BLOCK_H, DOT_DTYPE,
-                DOT_PRECISION,
+                DOT_PRECISION, WINDOW,
             )  # fmt: skip
 
 
@@ -249,11 +264,12 @@ def paged_attention(
     token_position: torch.Tensor,  # [num_tokens] int32
     block_size: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
-    """Attention of every query token over its request's keys at positions <= its own,
-    computed in the cache's dtype with fp32 softmax and accumulation. Does not modify the
-    cache (write the step's K/V first). Asynchronous, no host sync: safe to capture in a
-    CUDA graph."""
+    """Attention of every query token over its request's keys at positions <= its own
+    (with `window`, the last `window` of them), computed in the cache's dtype with fp32
+    softmax and accumulation. Does not modify the cache (write the step's K/V first).
+    Asynchronous, no host sync: safe to capture in a CUDA graph."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
     if num_heads % num_kv_heads or head_dim < 16 or kv.shape[1:] != (2, num_kv_heads, head_dim):
@@ -283,5 +299,5 @@ def paged_attention(
     )
     grid = (num_tokens, num_kv_heads)
     for launch in launch_configs(num_heads // num_kv_heads, head_dim, block_size, kv.dtype):
-        _paged_attention_kernel[grid](*args, **launch)
+        _paged_attention_kernel[grid](*args, **launch, WINDOW=window or 0)
     return out

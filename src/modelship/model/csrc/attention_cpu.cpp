@@ -12,6 +12,8 @@
 //   block_table  [R, W] int32: physical blocks of each request
 //   token_req    [T] int32: the request of each query token
 //   token_pos    [T] int32: the position of each query token (attends 0 .. pos)
+//   window       0, or a sliding window: the query attends pos - window + 1 .. pos only
+//                (Mistral v0.1, Gemma's local layers); blocks wholly before it are not read
 //   -> out       [T, H, D] fp32
 
 #include <ATen/Parallel.h>
@@ -164,9 +166,16 @@ void rope_write_kv(const float* qkv, const PagedStep& step, const float* cos, co
   });
 }
 
+}  // namespace modelship
+
+namespace {
+
+// `modelship::paged_attention_rows` with a sliding window (0: none); kept out of
+// cpu_kernels.h so that the fused decoder's call stays as it is (it declines windowed models).
 template <typename T>
-void paged_attention_rows(const float* qp, PagedKV<T> cache, const PagedStep& step, int64_t H,
-                          int64_t KVH, int64_t D, float scale, float* op) {
+void windowed_attention_rows(const float* qp, PagedKV<T> cache, const modelship::PagedStep& step,
+                             int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
+                             float* op) {
   constexpr bool kInt8 = std::is_same_v<T, int8_t>;
   const T* kvp = cache.values;
   const float* kv_scales = cache.scales;  // [num_slots, 2, KVH], int8 only
@@ -182,14 +191,17 @@ void paged_attention_rows(const float* qp, PagedKV<T> cache, const PagedStep& st
       const int64_t t = task / KVH, h_kv = task % KVH;
       const int32_t* blocks = table + static_cast<int64_t>(req[t]) * width;
       const int64_t last = pos[t];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
       for (int64_t g = 0; g < group; ++g) {
         run_max[g] = -std::numeric_limits<float>::infinity();
         run_sum[g] = 0.0f;
         for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.0f;
       }
-      for (int64_t b = 0; b * block_size <= last; ++b) {
-        const int64_t n = std::min(block_size, last - b * block_size + 1);
-        const int64_t base_slot = static_cast<int64_t>(blocks[b]) * block_size;
+      for (int64_t b = first / block_size; b * block_size <= last; ++b) {
+        // keys first .. last of block b: `n` of them from offset `skip` (scores[0] is `skip`)
+        const int64_t skip = std::max<int64_t>(0, first - b * block_size);
+        const int64_t n = std::min(block_size, last - b * block_size + 1) - skip;
+        const int64_t base_slot = static_cast<int64_t>(blocks[b]) * block_size + skip;
         for (int64_t g = 0; g < group; ++g) {
           const float* qv = qp + (t * H + h_kv * group + g) * D;
           float block_max = -std::numeric_limits<float>::infinity();
@@ -250,6 +262,16 @@ void paged_attention_rows(const float* qp, PagedKV<T> cache, const PagedStep& st
   });
 }
 
+}  // namespace
+
+namespace modelship {
+
+template <typename T>
+void paged_attention_rows(const float* qp, PagedKV<T> cache, const PagedStep& step, int64_t H,
+                          int64_t KVH, int64_t D, float scale, float* op) {
+  windowed_attention_rows(qp, cache, step, H, KVH, D, scale, 0, op);
+}
+
 template void rope_write_kv<float>(const float*, const PagedStep&, const float*, const float*,
                                    int64_t, int64_t, int64_t, float*, PagedKV<float>);
 template void rope_write_kv<int8_t>(const float*, const PagedStep&, const float*, const float*,
@@ -294,7 +316,8 @@ void with_cache(const torch::Tensor& kv, const std::optional<torch::Tensor>& kv_
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
                               const std::optional<torch::Tensor>& kv_scales,
                               const torch::Tensor& block_table, const torch::Tensor& token_req,
-                              const torch::Tensor& token_pos, int64_t block_size, double scale) {
+                              const torch::Tensor& token_pos, int64_t block_size, double scale,
+                              int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
               "q: contiguous fp32 [T, H, D]");
   check_cache(kv, kv_scales);
@@ -304,10 +327,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& kv,
   const auto step = paged_step(torch::Tensor(), block_table, token_req, token_pos, block_size);
   TORCH_CHECK(step.num_tokens == T, "one request and position per token");
   modelship::check_paged_step(step, kv.size(0));
+  TORCH_CHECK(window >= 0, "window: 0 (none) or positive");
   auto out = torch::empty_like(q);
   with_cache(kv, kv_scales, [&](auto cache) {
-    modelship::paged_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
-                                    static_cast<float>(scale), out.data_ptr<float>());
+    windowed_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
+                            static_cast<float>(scale), window, out.data_ptr<float>());
   });
   return out;
 }
@@ -325,7 +349,8 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
                                    const torch::Tensor& slot_mapping,
                                    const torch::Tensor& block_table,
                                    const torch::Tensor& token_req, const torch::Tensor& token_pos,
-                                   int64_t block_size, double scale, int64_t num_heads) {
+                                   int64_t block_size, double scale, int64_t num_heads,
+                                   int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [T, (H + 2 KVH) D]");
   TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kFloat,
               "qkv: bf16 or fp32");
@@ -343,14 +368,15 @@ torch::Tensor rope_paged_attention(const torch::Tensor& qkv, const torch::Tensor
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(step.token_pos[t] < cos.size(0), "position beyond the RoPE tables");
   }
+  TORCH_CHECK(window >= 0, "window: 0 (none) or positive");
   const auto qkv_f32 = qkv.to(at::kFloat);  // a no-op for fp32
   auto q = torch::empty({T, H, D}, qkv.options().dtype(at::kFloat));
   auto out = torch::empty({T, H * D}, qkv.options().dtype(at::kFloat));
   with_cache(kv, kv_scales, [&](auto cache) {
     modelship::rope_write_kv(qkv_f32.data_ptr<float>(), step, cos.data_ptr<float>(),
                              sin.data_ptr<float>(), H, KVH, D, q.data_ptr<float>(), cache);
-    modelship::paged_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
-                                    static_cast<float>(scale), out.data_ptr<float>());
+    windowed_attention_rows(q.data_ptr<float>(), cache, step, H, KVH, D,
+                            static_cast<float>(scale), window, out.data_ptr<float>());
   });
   return out.to(qkv.scalar_type());
 }
@@ -359,10 +385,10 @@ TORCH_LIBRARY_FRAGMENT(modelship, m) {
   m.def(
       "rope_paged_attention(Tensor qkv, Tensor(a!) kv, Tensor(b!)? kv_scales, Tensor cos, "
       "Tensor sin, Tensor slot_mapping, Tensor block_table, Tensor token_req, "
-      "Tensor token_pos, int block_size, float scale, int num_heads) -> Tensor");
+      "Tensor token_pos, int block_size, float scale, int num_heads, int window=0) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor kv, Tensor? kv_scales, Tensor block_table, "
-      "Tensor token_req, Tensor token_pos, int block_size, float scale) -> Tensor");
+      "Tensor token_req, Tensor token_pos, int block_size, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelship, CPU, m) {

@@ -1,6 +1,7 @@
 """Engine throughput on the demo model: modelship (bf16, int4) vs transformers `generate`.
 
     .venv/bin/python benchmarks/engine_throughput.py [--int4 DIR] [--out FILE]
+    .venv/bin/python benchmarks/engine_throughput.py --model moe  (`moe_throughput.py`)
 
 Workload: 64 requests, prompt lengths 32-512 tokens and max_tokens 16-256 (seeded), every
 request generating exactly its max_tokens (EOS ignored), so all systems do the same work.
@@ -104,6 +105,16 @@ def bench_transformers(model_dir: Path, workload, batch_size: int, dtype: torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=["demo", "moe"],
+        default="demo",
+        help="demo: the workload below; moe: a random OLMoE-shaped MoE vs a dense model with "
+        "the same active parameters (moe_throughput.py)",
+    )
+    parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--moe-scale", type=int, default=2, help="OLMoE's widths divided by")
+    parser.add_argument("--new-tokens", type=int, default=32, help="--model moe: per request")
     parser.add_argument("--storage", default="./modelship-data")
     parser.add_argument("--int4", type=Path, help="a GPTQ/AWQ compressed-tensors folder")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -113,6 +124,9 @@ def main() -> None:
         "--out", type=Path, default=Path("benchmarks/results/engine_throughput.json")
     )
     args = parser.parse_args()
+    if args.model == "moe":
+        moe_main(args)
+        return
 
     base = acquire("demo", Storage(args.storage)).path
     if args.int4 is None:
@@ -159,6 +173,24 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
+
+
+def moe_main(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import moe_throughput
+
+    batches = [1, 16]
+    with tempfile.TemporaryDirectory() as folder:
+        results = moe_throughput.run(
+            Path(folder), args.moe_layers, args.moe_scale, args.new_tokens, batches
+        )
+    results["threads"] = torch.get_num_threads()
+    moe_throughput.print_table(results, batches)
+    out = args.out.with_name("engine_throughput_moe.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

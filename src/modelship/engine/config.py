@@ -84,6 +84,10 @@ class EngineConfig:
     # fails the engine.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # mixture-of-experts models: deal each routed layer's experts out over the
+    # tensor-parallel ranks (whole experts, summed by one all-reduce) instead of refusing
+    # them; attention stays tensor-parallel (`model.tensor_parallel`)
+    expert_parallel: bool = False
     # LoRA adapters (PEFT folders) served over the base as (name, path); more can be
     # loaded at runtime (`LLMEngine.load_lora`). `max_loras` adapters are resident at once:
     # loading another evicts the least recently used one that no running request uses.

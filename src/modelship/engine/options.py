@@ -121,6 +121,15 @@ class EngineOptions(BaseModel):
         description="Shard attention and MLP over this many processes (Megatron-style; gloo "
         "on CPU, NCCL on CUDA, one GPU each); dense checkpoints only.",
     )
+    # mixture-of-experts models over the tensor-parallel ranks: whole experts per rank
+    # (`model.tensor_parallel`); vLLM spells it --enable-expert-parallel
+    expert_parallel: Annotated[
+        bool, Flag(aliases=("--enable-expert-parallel/--no-enable-expert-parallel",))
+    ] = Field(
+        default=False,
+        description="Mixture-of-experts models: shard the experts over the "
+        "--tensor-parallel-size ranks (whole experts per rank; their count must divide).",
+    )
     # a draft model's folder (same tokenizer as the served model): draft-model speculation
     # instead of prompt lookup; needs num_speculative_tokens
     speculative_model: str | None = Field(

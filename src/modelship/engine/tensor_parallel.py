@@ -217,7 +217,7 @@ def _worker_main(model_path: str, config: EngineConfig, rank: int, port: int, pi
     group = _process_group(config, rank, _store(config, rank, port))
     try:
         model_config = ModelConfig.from_dir(model_path)
-        shard = ShardSpec(model_config, rank, config.tensor_parallel_size)
+        shard = ShardSpec(model_config, rank, config.tensor_parallel_size, config.expert_parallel)
         model = load_model(
             model_path, device=device, dtype=config.dtype,
             max_positions=config.max_model_len or model_config.max_position_embeddings,

@@ -39,7 +39,7 @@ from modelship.model.attention import resolve_attention_backend
 from modelship.model.config import ModelConfig
 from modelship.model.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from modelship.model.loader import load_model, read_generation_eos, resolve_dtype
-from modelship.model.tensor_parallel import ShardSpec
+from modelship.model.tensor_parallel import ShardSpec, check_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class Worker:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # Tensor parallelism: the shapes are checked, then the other ranks spawn first, so
         # they load their shards while this one loads its own.
-        shard = ShardSpec(model_config, 0, tp_size) if tp_size > 1 else None
+        check_expert_parallel(model_config, tp_size, config.expert_parallel)
+        shard = ShardSpec(model_config, 0, tp_size, config.expert_parallel) if tp_size > 1 else None
         self.tp_group = TensorParallelGroup(self.model_path, config) if shard else None
         self.model = self._load_model(shard)
         self.tokenizer = load_tokenizer(self.model_path)

@@ -44,7 +44,9 @@ class MoEConfig:
     A routed layer sends each token to the `top_k` of `num_experts` gated MLPs (width
     `intermediate_size`) with the highest softmax router probability, weighted by those
     probabilities, renormalized over the k when `normalize_top_k`. `shared_intermediate_size`
-    > 0 adds an always-on expert gated by sigmoid(x w) (Qwen2-MoE).
+    > 0 adds an always-on expert gated by sigmoid(x w) (Qwen2-MoE). `local_experts` is the
+    range [start, end) of experts a model instance holds and runs (an expert-parallel rank's
+    share, `tensor_parallel.ShardSpec`); None: all of them.
     """
 
     num_experts: int
@@ -53,6 +55,7 @@ class MoEConfig:
     normalize_top_k: bool
     sparse_layers: tuple[int, ...]  # the routed layers; the others have the dense MLP
     shared_intermediate_size: int = 0
+    local_experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -63,6 +66,12 @@ class MoEConfig:
             raise ModelConfigError(
                 f"moe_intermediate_size must be positive, got {self.intermediate_size}"
             )
+        if self.local_experts is not None:
+            start, end = self.local_experts
+            if not 0 <= start < end <= self.num_experts:
+                raise ModelConfigError(
+                    f"local experts [{start}, {end}) outside the {self.num_experts} experts"
+                )
 
 
 @dataclass(frozen=True)

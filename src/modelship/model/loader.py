@@ -204,10 +204,6 @@ def load_model(
 
         model = create_model(config if shard is None else shard.config, linear, max_positions,
                              device)  # fmt: skip
-        if shard is not None and shard.world_size > 1:
-            assert group is not None, "a tensor-parallel shard needs its process group"
-            wrap_row_parallel(model, group)
-            fused_decoder = False  # the C++ decoder has no all-reduce between its layers
         # Everything still on the meta device (embeddings, norms) is a plain tensor to assign.
         state = {
             name: checkpoint.get(_checkpoint_name(name, config.architecture)).to(
@@ -217,6 +213,10 @@ def load_model(
             if param.is_meta
         }
         model.load_state_dict(state, strict=False, assign=True)
+        if shard is not None and shard.world_size > 1:  # after: wrapping renames parameters
+            assert group is not None, "a tensor-parallel shard needs its process group"
+            wrap_row_parallel(model, group)
+            fused_decoder = False  # the C++ decoder has no all-reduce between its layers
     leftover = [name for name, param in model.named_parameters() if param.is_meta]
     if leftover:
         raise MissingWeightError(f"{model_dir}: weights not loaded: {', '.join(leftover[:5])}")

@@ -10,6 +10,13 @@ Dispatch: the step's (token, expert) pairs are sorted by expert, the rows gather
 into that order, and each *active* expert runs once on its contiguous group of rows (a
 Python loop over at most E experts, never over tokens). The weighted outputs are summed
 back per token with one `index_add_`, in ascending expert order, as transformers sums them.
+Each expert's projections are whatever the linear factory built: dense, or with an int4
+checkpoint one W4A8 kernel call per projection on the expert's whole group of rows.
+
+Expert parallelism: a model built with `MoEConfig.local_experts` holds only those experts
+(checkpoint names keep their global index) and returns only their share of the output;
+the router still scores all experts, and the caller sums the ranks' shares
+(`tensor_parallel.wrap_row_parallel`).
 """
 
 from __future__ import annotations
@@ -78,9 +85,10 @@ class MoEMLP(nn.Module):
         assert moe is not None, "a dense config has no experts"
         self.num_experts = moe.num_experts
         self.top_k = moe.top_k
+        self.local_experts = moe.local_experts or (0, moe.num_experts)  # [start, end)
         self.gate = Router(moe, config.hidden_size)
-        self.experts = nn.ModuleList()
-        for e in range(moe.num_experts):
+        self.experts = nn.ModuleList()  # local expert i is the checkpoint's start + i
+        for e in range(*self.local_experts):
             expert = f"{prefix}.experts.{e}"
             self.experts.append(
                 GatedMLP(
@@ -104,19 +112,23 @@ class MoEMLP(nn.Module):
         flat = experts.flatten()  # pair p = token p // k, its (p % k)-th choice
         # Stable: within an expert the pairs stay in token order.
         order = flat.argsort(stable=True)
-        tokens = order // self.top_k  # [n * k]: each sorted pair's token
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x.index_select(0, tokens)  # [n * k, hidden], grouped by expert
-        pair_weights = weights.flatten().index_select(0, order).unsqueeze(1)
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                end = start + count
-                outputs.append(self.experts[expert](rows[start:end]))
-                start = end
-        routed = torch.cat(outputs).mul_(pair_weights)
-        out = torch.zeros_like(x).index_add_(0, tokens, routed)
+        first, last = self.local_experts
+        local_start = sum(counts[:first])  # this instance's experts' pairs are contiguous
+        order = order[local_start : local_start + sum(counts[first:last])]
+        out = torch.zeros_like(x)
+        if len(order):
+            tokens = order // self.top_k  # [pairs]: each sorted pair's token
+            rows = x.index_select(0, tokens)  # [pairs, hidden], grouped by expert
+            pair_weights = weights.flatten().index_select(0, order).unsqueeze(1)
+            outputs = []
+            start = 0
+            for expert, count in zip(self.experts, counts[first:last], strict=True):
+                if count:
+                    end = start + count
+                    outputs.append(expert(rows[start:end]))
+                    start = end
+            out.index_add_(0, tokens, torch.cat(outputs).mul_(pair_weights))
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))  # [n, 1]
             out.add_(self.shared_expert(x).mul_(gate))

@@ -18,6 +18,15 @@ from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.optimize.recipe import Recipe, Scheme
 from modelship.pipeline.optimize.weights import cast_floating_in_place, copy_tokenizer_files
 
+# Kept in full precision besides the head: a mixture-of-experts model's router (`<block>.gate`
+# in Mixtral, OLMoE, Qwen2/3-MoE) and Qwen2-MoE's shared-expert gate. A router's top-k flips
+# on small errors, and the engine reads both as plain weights (`model.moe`). Dense models
+# have no module of these names. Experts themselves are quantized one by one: `oneshot`
+# splits transformers' stacked experts into a Linear per expert projection (its
+# post-load linearization; `load_quantizable_moe` would do it while loading, but its
+# transformers patching imports every model module, torchvision-only ones included).
+_IGNORE = ["lm_head", r"re:.*\.gate$", r"re:.*\.shared_expert_gate$"]
+
 
 def _weights_scheme(recipe: Recipe) -> dict[str, Any]:
     return {
@@ -102,12 +111,12 @@ def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
     )
     groups = {"group_0": {"targets": ["Linear"], "weights": _weights_scheme(recipe)}}
     if recipe.scheme == "gptq":
-        modifiers = [GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=groups)]
+        modifiers = [GPTQModifier(targets="Linear", ignore=_IGNORE, config_groups=groups)]
         pinning = nullcontext()
     else:
         modifiers = [
             AWQModifier(n_grid=recipe.options.get("n_grid", 20)),
-            QuantizationModifier(targets="Linear", ignore=["lm_head"], config_groups=groups),
+            QuantizationModifier(targets="Linear", ignore=_IGNORE, config_groups=groups),
         ]
         pinning = _cpu_safe_pinning()
     with pinning, _deterministic():

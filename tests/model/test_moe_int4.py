@@ -1,0 +1,68 @@
+"""int4 experts: the project's GPTQ scheme (real llm-compressor) on a tiny Qwen2-MoE (routed
+experts plus the sigmoid-gated shared expert), loaded onto the W4A8 CPU kernel one expert
+at a time, routers and the shared-expert gate kept in full precision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_int4 import logits_of, needs_w4a8, reference_logits
+from test_moe import save_tiny_moe
+
+from modelship.model import load_model
+from modelship.model.quant.int4 import W4A8Linear
+from modelship.pipeline.optimize import recipe_for
+from modelship.pipeline.optimize.schemes import create_scheme
+
+# every width a multiple of the group size 64, so the W4A8 kernel takes every projection
+WIDTHS = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+              shared_expert_intermediate_size=128)  # fmt: skip
+SMALL = {"num_calibration_samples": 8, "max_seq_length": 64, "group_size": 64}
+
+
+@pytest.fixture(scope="module")
+def quantized_moe(tmp_path_factory) -> tuple[Path, Path]:
+    base = save_tiny_moe("qwen2_moe", tmp_path_factory.mktemp("moe") / "base", **WIDTHS)
+    out = tmp_path_factory.mktemp("moe-gptq")
+    create_scheme("gptq").run(recipe_for("gptq", SMALL), base, out)
+    return base, out
+
+
+def test_routers_stay_full_precision_in_the_checkpoint(quantized_moe) -> None:
+    _, folder = quantized_moe
+    ignore = json.loads((folder / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"} <= set(ignore)
+
+
+@needs_w4a8
+def test_experts_run_on_the_w4a8_kernel_within_int4_tolerance(quantized_moe) -> None:
+    _, folder = quantized_moe
+    model = load_model(folder)  # CPU, bf16 compute, group size 64: the W4A8 kernel
+    mlp = model.layers[0].mlp
+    for expert in [*mlp.experts, mlp.shared_expert]:
+        assert isinstance(expert.gate_up_proj, W4A8Linear)
+        assert isinstance(expert.down_proj, W4A8Linear)
+    ids = torch.arange(3, 40)
+    expected = reference_logits(folder, ids)  # transformers, dequantized to fp32
+    actual = logits_of(model, ids)
+    assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_router_choices_equal_the_unquantized_models(quantized_moe) -> None:
+    """Fed the same hidden states, every layer's router (read from the int4 checkpoint, in
+    fp16 as the scheme saves it) picks the experts the fp32 original picks, token by token."""
+    base, folder = quantized_moe
+    original = load_model(base, dtype=torch.float32)
+    quantized = load_model(folder, dtype=torch.float32)
+    inputs: list[torch.Tensor] = []
+    for layer in original.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: inputs.append(args[0]))
+    logits_of(original, torch.arange(3, 60))
+    assert len(inputs) == len(quantized.layers)
+    for layer, (ours, theirs) in enumerate(zip(quantized.layers, original.layers, strict=True)):
+        x = inputs[layer]
+        assert torch.equal(ours.mlp.route(x), theirs.mlp.route(x)), f"layer {layer}"

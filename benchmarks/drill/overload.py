@@ -1,4 +1,4 @@
-"""Drill 2, overload: 2x and 5x the fleet's capacity through `modelship up` (quick: 5x).
+"""Drill 2, overload: 2x and 5x the fleet's capacity through `modelship up`.
 
 The fleet is one replica (capacity = its `max_num_seqs` sequences at once) behind the
 gateway, with two tenants: "bulk" (low priority) makes the load with closed-loop clients
@@ -65,9 +65,7 @@ def run(context: DrillContext) -> DrillResult:
         result.figures["unloaded_ttft_p95_ms"] = round(base_p95 * 1000, 1)
         result.figures["rss_bound_mb"] = bound // 2**20
         result.check("unloaded: urgent requests complete", len(unloaded) == len(baseline))
-        # Quick: 5x alone. 2x (9 streams on 4 seats and 8 queue places) fits without any
-        # shedding, so each rule it checks is checked again at 5x, where bulk is also shed.
-        for factor in (5,) if context.quick else (2, 5):
+        for factor in (2, 5):
             _level(up, factor, duration, base_p95, bound, context, result)
     finally:
         code = up.stop()

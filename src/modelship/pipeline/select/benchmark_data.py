@@ -120,6 +120,7 @@ def _write_atomic(path: Path, rows: list[dict]) -> None:
     with os.fdopen(fd, "w") as out:
         for row in rows:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared like the storage
     os.replace(tmp, path)
 
 

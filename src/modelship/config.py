@@ -63,6 +63,11 @@ class SelectConfig(Section):
     # Quality: held-out perplexity, agreement and KL against the base, the task set.
     eval_chunks: int = Field(default=8, ge=1)
     eval_chunk_tokens: int = Field(default=256, ge=16)
+    # The standard multiple-choice set (`pipeline/select/benchmark_data.py`: BIG-bench tasks
+    # fetched by `make data` into <storage>/cache/eval, scored like lm-eval); its acc_norm
+    # retention joins the quality share. Empty leaves it out. The first `benchmark_items`.
+    benchmark_tasks: list[str] = Field(default_factory=list)
+    benchmark_items: int = Field(default=2000, ge=1)
     # Serving: the same streaming workload for every variant.
     latency_requests: int = Field(default=4, ge=1)
     concurrency: int = Field(default=8, ge=1)

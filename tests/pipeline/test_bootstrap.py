@@ -109,3 +109,27 @@ def test_degeneration_is_pooled_over_all_golden_prompts() -> None:
     repetition = estimate(evaluations, "base", Resampler(1000))["awq"].repetition
     assert repetition.value == pytest.approx(25 / 180)  # one loop of four answers, pooled
     assert repetition.interval.low == 0.0 and 0.3 < repetition.interval.high < 25 / 45
+
+
+def test_the_multiple_choice_set_joins_the_quality_share_paired() -> None:
+    tasks = [i % 3 != 0 for i in range(60)]
+    nll = [200.0, 210.0, 190.0, 205.0]
+    base_norm = [i % 2 == 0 for i in range(400)]  # 200 of 400 right
+    worse_norm = [False] * 40 + base_norm[40:]  # 20 of them lost
+    evaluations = {}
+    for name, norm in (("base", base_norm), ("same", base_norm), ("worse", worse_norm)):
+        evaluations[name] = evaluation(name, tasks, nll)
+        evaluations[name]["quality"]["items"] |= {
+            "benchmark_correct": norm,
+            "benchmark_correct_norm": norm,
+            "benchmark_choice_prob": [0.7 if ok else 0.2 for ok in norm],
+        }
+    out = estimate(evaluations, "base", Resampler(1000))
+    assert out["same"].share.value == 1.0
+    # tasks, cross-entropy and tools kept; acc_norm 180/200: the mean of four retentions
+    assert out["worse"].share.value == pytest.approx((3 + 180 / 200) / 4)
+    assert out["worse"].quality["benchmark_acc_norm"].value == pytest.approx(180 / 400)
+    assert out["worse"].quality["benchmark_choice_prob"].value == pytest.approx(
+        (180 * 0.7 + 220 * 0.2) / 400
+    )
+    assert out["worse"].difference(out["same"]).interval.high < 0

@@ -3,6 +3,7 @@ release published and production switched, memoized reruns, rollback."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -201,3 +202,30 @@ def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
     missing = runner.invoke(app, ["release", "show", "99", *storage_args])
     assert missing.exit_code != 0 and "release 99 does not exist" in missing.output
     runner.invoke(app, ["rollback", "--to", str(release), *storage_args])
+
+
+def test_the_standard_multiple_choice_set_is_read_from_the_cache_and_recorded(pipeline) -> None:
+    from modelship.pipeline.select.benchmark_data import task_path
+
+    base_config, storage, _ = pipeline
+    config = tiny_config(
+        Path(base_config.source), base_config.storage,
+        select={"benchmark_tasks": ["mini"], "benchmark_items": 3},
+    )  # fmt: skip
+    path = task_path(storage.cache_dir("eval"), "mini")
+    with pytest.raises(PipelineError, match=re.escape(str(path)) + " is missing.*make data"):
+        select(storage, "tiny", config, variants=["fp16"], log=lambda _: None)
+
+    path.parent.mkdir(parents=True)
+    rows = [{"id": f"mini/{i}", "input": f"{i} plus one?", "choices": [str(i + 1), "no"],
+             "answer": 0} for i in range(5)]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = select(storage, "tiny", config, variants=["fp16"], log=lambda _: None)
+    fp16 = result.evaluations["fp16"]
+    assert len(fp16["quality"]["items"]["benchmark_correct_norm"]) == 3
+    assert fp16["benchmark"]["tasks"] == {"mini": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert "benchmark_acc_norm" in fp16["quality_ci95"]
+    provenance = json.loads(
+        (storage.release_dir("tiny", result.release) / "provenance.json").read_text()
+    )
+    assert provenance["measurements"]["fp16"]["benchmark"]["dataset"] == "bigbench"

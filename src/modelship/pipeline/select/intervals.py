@@ -1,9 +1,11 @@
 """Select's item-based measures, each with a paired 95% bootstrap interval (`bootstrap.py`).
 
-Four pools of items are resampled, each the same way for every variant and the base:
+Five pools of items are resampled, each the same way for every variant and the base:
 "passages" (the held-out chunks: perplexity, top-1 agreement, KL), "tasks" (task
-accuracy), "tools" (tool-call success) and "golden" (the golden prompts' outputs: repeated
-4-grams, printable characters). A variant's numbers on a resample are computed from the
+accuracy), "tools" (tool-call success), "benchmark" (the standard multiple-choice set when
+configured: acc, acc_norm and the answer's probability among the choices,
+`multiple_choice.py`) and "golden" (the golden prompts' outputs: repeated 4-grams,
+printable characters). A variant's numbers on a resample are computed from the
 items drawn, and so are the base's, so the quality share on a resample compares the two on
 the same items.
 
@@ -11,7 +13,8 @@ Quality share of the base (what the quality gate and score read) is the mean of 
 retentions against the base, each capped at 1: task accuracy (variant / base; 1 when the
 base scores 0), held-out cross-entropy (base nats per token / variant nats per token), and,
 where the base calls any tool right on the whole set, tool-call success (variant / base; 1
-on a resample where the base calls none right). Degeneration is pooled over all golden
+on a resample where the base calls none right), and, where the standard multiple-choice set
+was measured, its acc_norm (variant / base). Degeneration is pooled over all golden
 outputs (repeated 4-grams / all 4-grams, printable / all characters), not read off the
 worst single prompt: one prompt that loops is a quarter of the evidence, not all of it.
 """
@@ -39,6 +42,9 @@ QUALITY_METRICS = (
     "kl_divergence",
     "task_accuracy",
     "tool_call_success",
+    "benchmark_acc",
+    "benchmark_acc_norm",
+    "benchmark_choice_prob",
 )
 
 
@@ -79,6 +85,7 @@ def _pool_indices(items: dict[str, list], resampler: Resampler) -> dict[str, np.
         "passages": len(items["passage_tokens"]),
         "tasks": len(items["task_correct"]),
         "tools": len(items["tool_correct"]),
+        "benchmark": len(items.get("benchmark_correct") or ()),
     }
     return {pool: resampler.indices(pool, n) for pool, n in sizes.items() if n}
 
@@ -98,6 +105,11 @@ def quality_replicates(items: dict[str, list], indices: dict[str, np.ndarray]) -
         out["task_accuracy"] = mean_over(items["task_correct"], indices["tasks"])
     if "tools" in indices:
         out["tool_call_success"] = mean_over(items["tool_correct"], indices["tools"])
+    if "benchmark" in indices:
+        at = indices["benchmark"]
+        out["benchmark_acc"] = mean_over(items["benchmark_correct"], at)
+        out["benchmark_acc_norm"] = mean_over(items["benchmark_correct_norm"], at)
+        out["benchmark_choice_prob"] = mean_over(items["benchmark_choice_prob"], at)
     return out
 
 
@@ -122,6 +134,8 @@ def quality_share(mine: dict[str, Any], ref: dict[str, Any], with_tools: bool) -
     ]
     if with_tools:
         shares.append(retention(mine["tool_call_success"], ref["tool_call_success"]))
+    if "benchmark_acc_norm" in ref:
+        shares.append(retention(mine["benchmark_acc_norm"], ref["benchmark_acc_norm"]))
     return np.mean(shares, axis=0)
 
 

@@ -63,6 +63,7 @@ def _measurement(evaluation: dict[str, Any]) -> dict[str, Any]:
         "quality_share_ci95": evaluation.get("quality_share_ci95"),
         "quality_share_differences": evaluation.get("quality_share_differences"),
         "quality_ci95": evaluation.get("quality_ci95"),
+        "benchmark": evaluation.get("benchmark"),  # dataset, version, checksums, items
         "degeneration": evaluation.get("degeneration"),
         "weight_bytes": evaluation.get("weight_bytes"),
         "load_error": evaluation.get("load_error"),

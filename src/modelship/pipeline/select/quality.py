@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine
+from modelship.pipeline.select.benchmark_data import ChoiceItem
+from modelship.pipeline.select.multiple_choice import score_choices
 from modelship.pipeline.select.tool_use import ToolTask, score_tool_calls
 
 TASKS_PATH = Path(__file__).with_name("tasks.jsonl")
@@ -76,7 +78,8 @@ class Scorer:
 class QualityItems:
     """Each item's own numbers, what the paired bootstrap (`intervals.py`) resamples: per
     held-out passage its summed nats, tokens, top-1 agreements and KL; per task item and
-    per tool request whether the variant got it right."""
+    per tool request whether the variant got it right; per item of the standard
+    multiple-choice set (when configured) acc, acc_norm and the answer's probability."""
 
     passage_nll: list[float]
     passage_tokens: list[int]
@@ -84,6 +87,9 @@ class QualityItems:
     passage_kl: list[float]
     task_correct: list[bool]
     tool_correct: list[bool]
+    benchmark_correct: list[bool] = field(default_factory=list)
+    benchmark_correct_norm: list[bool] = field(default_factory=list)
+    benchmark_choice_prob: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +135,7 @@ def measure_quality(
     reference: Reference,
     tasks: list[TaskItem],
     tool_tasks: list[ToolTask] | None = None,
+    benchmark: list[ChoiceItem] | None = None,
 ) -> QualityResult:
     items = QualityItems([], [], [], [], [], [])
     for chunk, base_lp, lp in zip(
@@ -149,6 +156,10 @@ def measure_quality(
     all_ok = items.task_correct
     called = score_tool_calls(scorer.engine, tool_tasks) if tool_tasks else []
     items.tool_correct = called
+    for score in score_choices(scorer, benchmark) if benchmark else []:
+        items.benchmark_correct.append(score.correct)
+        items.benchmark_correct_norm.append(score.correct_norm)
+        items.benchmark_choice_prob.append(score.choice_prob)
     return QualityResult(
         perplexity=math.exp(nll / count) if nll / count < 700 else math.inf,
         top1_agreement=agree / count,

@@ -30,6 +30,11 @@ from modelship.pipeline.calibration import corpus_hash, held_out_texts
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.select import intervals
 from modelship.pipeline.select import quality as q
+from modelship.pipeline.select.benchmark_data import (
+    BenchmarkDataError,
+    BenchmarkSet,
+    load_benchmark,
+)
 from modelship.pipeline.select.bootstrap import Resampler
 from modelship.pipeline.select.provenance import provenance_record
 from modelship.pipeline.select.report import write_report
@@ -77,9 +82,12 @@ class SelectionResult:
     seconds: float
 
 
-def measurement_settings(config: ModelshipConfig) -> dict[str, Any]:
+def measurement_settings(
+    config: ModelshipConfig, benchmark: BenchmarkSet | None = None
+) -> dict[str, Any]:
     s = config.select
-    return {
+    extra = {"benchmark": benchmark.describe()} if benchmark is not None else {}
+    return extra | {
         "code": SELECT_CODE_VERSION,
         "corpus": corpus_hash(),
         "tasks": hash_inputs({"tasks": q.TASKS_PATH.read_text()}),
@@ -116,7 +124,8 @@ def select(
             f"nothing to select from: no variant of {slug} is optimized yet "
             f"({', '.join(variants)} missing under {optimized}); run `modelship optimize` first"
         )
-    settings = measurement_settings(config)
+    benchmark = _load_benchmark(storage, config)
+    settings = measurement_settings(config, benchmark)
     evaluations_dir = storage.evaluations_dir(slug)
     evaluations: dict[str, dict[str, Any]] = {}
     todo = []
@@ -131,7 +140,7 @@ def select(
                 continue
         todo.append((name, wanted))
     if todo:
-        _measure(storage, slug, config, todo, evaluations, log)
+        _measure(storage, slug, config, todo, evaluations, log, benchmark)
 
     base_eval = evaluations[BASE]
     if base_eval.get("load_error"):
@@ -172,7 +181,19 @@ def select(
     )
 
 
-def _measure(storage, slug, config, todo, evaluations, log) -> None:
+def _load_benchmark(storage: Storage, config: ModelshipConfig) -> BenchmarkSet | None:
+    """The configured standard multiple-choice set, read from the cache (never fetched
+    here: `make data` does); None when none is configured."""
+    s = config.select
+    if not s.benchmark_tasks:
+        return None
+    try:
+        return load_benchmark(storage.cache_dir("eval"), s.benchmark_tasks, s.benchmark_items)
+    except BenchmarkDataError as exc:
+        raise PipelineError(str(exc)) from exc
+
+
+def _measure(storage, slug, config, todo, evaluations, log, benchmark=None) -> None:
     """Quality of each variant in turn (deterministic), then serving of all candidates
     together in interleaved rounds (`serving_benchmark`); each evaluation written when complete."""
     s = config.select
@@ -195,8 +216,12 @@ def _measure(storage, slug, config, todo, evaluations, log) -> None:
             verify_artifact(folder)
             log(f"{name}: measuring quality")
             scorer = base_scorer if name == BASE else q.Scorer(folder)
-            quality = q.measure_quality(scorer, reference, tasks, tool_tasks)
+            quality = q.measure_quality(
+                scorer, reference, tasks, tool_tasks, benchmark.items if benchmark else None
+            )
             evaluation["quality"] = quality.to_dict()
+            if benchmark is not None:
+                evaluation["benchmark"] = benchmark.describe()
             evaluation["weight_bytes"] = scorer.weight_bytes()
             if scorer is not base_scorer:
                 del scorer

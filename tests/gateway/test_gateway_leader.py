@@ -120,6 +120,7 @@ def complete(gateway: GatewayProcess, session: int) -> int:
     return answer.status_code
 
 
+@pytest.mark.timeout(600)  # a real replica's start (torch) is slow on a loaded machine
 def test_the_leader_alone_judges_and_probes_and_the_next_one_finishes(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -131,7 +132,7 @@ def test_the_leader_alone_judges_and_probes_and_the_next_one_finishes(
     publish_release(storage, SLUG, tiny_llama_dir, "fp16")
     publish_release(storage, SLUG, tiny_llama_dir, "gptq")
     storage.set_production(SLUG, 1)
-    stable = ServerProcess(storage.release_dir(SLUG, 1), *TINY_ARGS)
+    stable = ServerProcess(storage.release_dir(SLUG, 1), *TINY_ARGS, timeout_s=300)
     canary = BadReplica("500")
     gateways: list[GatewayProcess] = []
     judge = {"canary": {"min_requests": MIN_REQUESTS, "window_s": 600}}
@@ -146,7 +147,7 @@ def test_the_leader_alone_judges_and_probes_and_the_next_one_finishes(
                 "--leader-lease-s", str(LEASE_S),
             ))  # fmt: skip
         for gateway in gateways:
-            gateway.wait_ready(60)
+            gateway.wait_ready(120)
         wait_for(lambda: any(leads(g) for g in gateways), 20, "a leader")
         leader, survivor = sorted(gateways, key=leads, reverse=True)
 

@@ -219,7 +219,9 @@ def test_deployment_canary_is_a_pinned_track_the_gateway_splits() -> None:
     one(objects, "Service", f"{NAME}-engine-canary")
     gateway = one(objects, "Deployment", f"{NAME}-gateway")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
-    assert env["MODELSHIP_GATEWAY_CANARY_WEIGHT"] == "10"
+    # The weight is the release plan's (`modelship release canary`), which the gateway follows.
+    assert "MODELSHIP_GATEWAY_CANARY_WEIGHT" not in env
+    assert (env["MODELSHIP_STORAGE"], env["MODELSHIP_GATEWAY_MODEL"]) == ("/data", NAME)
     services = env["MODELSHIP_GATEWAY_DISCOVER_SERVICES"].split(",")
     assert services == [f"{NAME}-engine", f"{NAME}-engine-canary"]
     labels = one(objects, "Service", f"{NAME}-engine-canary")["metadata"]["labels"]

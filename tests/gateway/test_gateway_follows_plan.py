@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from gateway_process import GatewayProcess
+from modelship.release.traffic import read_traffic
 from modelship.storage import Storage
 from vllm_stand_in import VllmStandIn
 
@@ -139,9 +140,10 @@ def stream(gateway: GatewayProcess, session: str) -> None:
         answer.read()
 
 
-def test_one_gateways_judged_rollback_reaches_the_other(tmp_path: Path) -> None:
-    """The canary cuts every stream; gateway a's judge rolls it back on the traffic it saw
-    and ends it on storage; gateway b, which sent the canary nothing, follows."""
+def test_one_gateways_traffic_judged_by_the_leader_reaches_both(tmp_path: Path) -> None:
+    """The canary cuts every stream; only gateway a sends it traffic. a writes what it saw
+    to storage, the leader (a or b) judges it and ends the canary on the plan, and both
+    gateways follow; one rollback is counted, by the leader."""
     judge = {"canary": {"min_requests": 3, "window_s": 600}}
     with started(tmp_path, "--break-after", "1", gateway=judge) as parts:
         storage, _, _, (first, second) = parts
@@ -150,11 +152,12 @@ def test_one_gateways_judged_rollback_reaches_the_other(tmp_path: Path) -> None:
         wait_for(lambda: weights_are([first, second], 50), 20, "both gateways to read it")
         for i in range(40):
             stream(first, f"s{i}")
-            if first.metric("modelship_gateway_canary_rollbacks_total") >= 1:
+            if read_traffic(Storage(storage), SLUG).canary is None:
                 break
-        assert first.metric("modelship_gateway_canary_rollbacks_total") == 1
-        wait_for(lambda: second.metric("modelship_gateway_canary_weight") == 0, 20,
-                 "the other gateway to follow the judged rollback")  # fmt: skip
-        assert second.metric("modelship_gateway_canary_rollbacks_total") == 0
+        wait_for(lambda: weights_are([first, second], 0), 20,
+                 "both gateways to follow the judged rollback")  # fmt: skip
+        rollbacks = [g.metric("modelship_gateway_canary_rollbacks_total") for g in parts[3]]
+        leaders = [g.metric("modelship_gateway_leader") for g in parts[3]]
+        assert rollbacks == leaders and sorted(rollbacks) == [0, 1]
         status = release_cli(storage, "status")
         assert "canary: none" in status.stdout and "auto_rollback release 2" in status.stdout

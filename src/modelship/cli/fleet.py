@@ -127,7 +127,8 @@ def gateway(
             envvar="MODELSHIP_STORAGE",
             help="Follow the release plan of --model on this storage (the models volume): "
             "the canary weight, rollback and promotion `modelship release` writes there, "
-            "read every second, over --canary-weight.",
+            "read every second, over --canary-weight. The gateway holding the leader lease "
+            "there judges the canary and probes for drift; its rollbacks go to the plan.",
         ),
     ] = None,
     model: Annotated[

@@ -264,15 +264,18 @@ def engine_service_names(ctx: RenderContext) -> list[str]:
 
 def gateway_env(ctx: RenderContext) -> list[Json]:
     """Where the gateway finds the engines (their pods, from the Services' EndpointSlices in
-    its own namespace), which engine they run, and the canary split."""
+    its own namespace), which engine they run, and the release plan it follows."""
     services = ",".join(engine_service_names(ctx))
     env = [
         {"name": "MODELSHIP_GATEWAY_DISCOVER_SERVICES", "value": services},
         {"name": "MODELSHIP_GATEWAY_ENGINE", "value": ctx.serving.engine},
+        # Every gateway replica follows the model's release plan on the models volume (the
+        # canary's weight, rollback, promotion: `modelship release` writes it), and stands
+        # for the leader lease beside it: the leader alone judges the canary and probes for
+        # drift, and writes its decisions to the plan (`fleet/plan_member.py`).
+        {"name": "MODELSHIP_STORAGE", "value": DATA_ROOT},
+        {"name": "MODELSHIP_GATEWAY_MODEL", "value": ctx.slug},
     ]
-    canary = ctx.serving.canary
-    if canary is not None:
-        env.append({"name": "MODELSHIP_GATEWAY_CANARY_WEIGHT", "value": str(canary.weight)})
     # Every gateway replica appends the usage ledger to the models volume, a file of its
     # own (`modelship usage` on that volume sums them); `gateway.cost.USAGE_DIR` is "usage".
     usage = f"{DATA_ROOT}/models/{ctx.slug}/usage"

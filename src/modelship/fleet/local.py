@@ -22,6 +22,7 @@ from pathlib import Path
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
+from modelship.fleet.golden_source import evaluated_golden
 from modelship.fleet.metrics import FleetMetrics
 from modelship.fleet.plan_follower import PlanFollower
 from modelship.fleet.supervisor import ReleaseSpec, ReplicaState, Supervisor
@@ -275,7 +276,7 @@ class LocalFleet:
                 if variant == spec.variant:
                     answers = golden.read_reference(spec.model_dir / golden.GOLDEN_FILE)
                 else:
-                    answers = _evaluated_golden(spec.model_dir, variant)
+                    answers = evaluated_golden(spec.model_dir, variant)
                 self._references[key] = answers
             except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
                 logger.warning("release %s, variant %s: golden answers unreadable (%s); not "
@@ -313,15 +314,3 @@ class LocalFleet:
 
     def app(self) -> Starlette:
         return create_gateway_app(self.service, on_startup=[self._start], on_shutdown=[self._stop])
-
-
-def _evaluated_golden(release_dir: Path, variant: str) -> list[golden.GoldenAnswer] | None:
-    """`variant`'s golden answers as select's evaluation of it recorded them."""
-    path = release_dir / "production_metrics.json"
-    try:
-        metrics = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    serving = ((metrics.get("evaluations") or {}).get(variant) or {}).get("serving") or {}
-    answers = serving.get("golden")
-    return [golden.GoldenAnswer(**answer) for answer in answers] if answers else None

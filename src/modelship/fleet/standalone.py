@@ -3,23 +3,21 @@ in the Kubernetes API (`gateway.discovery`: every ready pod behind the engine's 
 Services, as the render writes them), composed from the config as `local.py` composes
 `modelship up`'s. Nothing here starts or scales a replica: an address given is fixed, and
 unhealthy until its first health check; a discovered pod comes and goes with its
-EndpointSlice. Given the storage and the model (`--storage`, `--model`), the canary weight
-follows the release plan there (`plan_follower.py`) instead of `--canary-weight`."""
+EndpointSlice. Given the storage and the model (`--storage`, `--model`), the gateway is one
+member of a fleet sharing the release plan there (`plan_member.py`): the canary weight
+follows the plan instead of `--canary-weight`, and the one member holding the leader lease
+judges the canary and probes for drift, writing its decisions to the plan."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
 
 from modelship.config import ModelshipConfig
-from modelship.errors import PipelineError
-from modelship.fleet.election import LeaderElection, StorageLease, lease_path
-from modelship.fleet.plan_follower import PlanFollower, standalone_canary_weight
+from modelship.fleet.plan_member import PlanMember, PlanSource
 from modelship.gateway.app import create_gateway_app
-from modelship.gateway.canary import Verdict
 from modelship.gateway.config import DiscoveryConfig
 from modelship.gateway.cost import UsageLedger, writer_name
 from modelship.gateway.discovery import EndpointDiscovery
@@ -27,11 +25,7 @@ from modelship.gateway.engines import EngineKind
 from modelship.gateway.groups import CANARY, STABLE, tier_group
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
-from modelship.release.traffic import TrafficPlan, end_canary
-from modelship.storage import Storage, StorageError
 from modelship.tracing import Tracing
-
-logger = logging.getLogger(__name__)
 
 
 class GatewaySetupError(ValueError):
@@ -47,14 +41,6 @@ class StaticReplicas:
     canary_weight: int = 0  # percent of traffic to the canary
     tier_endpoints: list[str] = field(default_factory=list)  # TIER=URL, a gateway.tiers tier's
     engine: str | None = None  # ours or vllm; None: deploy.serving.engine
-
-
-@dataclass(frozen=True)
-class PlanSource:
-    """Where a standalone gateway reads the release plan: the shared storage, one model."""
-
-    storage: Storage
-    slug: str
 
 
 class StandaloneGateway:
@@ -82,7 +68,7 @@ class StandaloneGateway:
         the models volume), where this gateway appends to a file of its own; `plan`: the
         release plan the canary weight follows (`--storage`, `--model`), over
         `replicas.canary_weight`, and the leader lease beside it (`fleet/election.py`,
-        held `lease_s` seconds between renewals)."""
+        lasting `lease_s` seconds unrenewed)."""
         discovery = discovery or (None if replicas.stable else config.gateway.discovery)
         if not replicas.stable and discovery is None:
             raise GatewaySetupError(
@@ -149,36 +135,12 @@ class StandaloneGateway:
         if usage_dir is not None:
             self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())
         self.plan = None
-        self.election = None
-        if plan is not None:
-            self.plan = PlanFollower(plan.storage, plan.slug, self._follow_plan)
-            self.service.canary.on_rollback = self._judged_rollback
-            # The one replica that will run the run-once work (the judge, the drift probe):
-            # elected now, that work not yet moved behind it.
-            lease = StorageLease(plan.storage, lease_path(plan.storage, plan.slug),
-                                 writer_name(), duration_s=lease_s)  # fmt: skip
-            self.election = LeaderElection(lease)
-            self.service.metrics.fleet_registry.register(self.election)
-
-    def _follow_plan(self, plan: TrafficPlan, production: int | None) -> None:
-        self.service.canary.set_weight(standalone_canary_weight(plan, production))
-
-    def _judged_rollback(self, verdict: Verdict) -> None:
-        """This gateway's judge rolled the canary back on the share it saw: ended on
-        storage too, so every other replica follows (and this one's next read of the plan
-        does not raise the weight again)."""
-        assert self.plan is not None
-        try:
-            end_canary(self.plan.storage, self.plan.slug, verdict.reason, automatic=True)
-        except (OSError, PipelineError, StorageError) as exc:  # in a request's path: logged
-            logger.error(
-                "the judged rollback could not be written to the plan (%s); the next read "
-                "of the plan gives the canary its weight again", exc,
-            )  # fmt: skip
+        if plan is not None:  # follows the plan; the leader among them judges and probes
+            self.plan = PlanMember(plan, self.service, lease_s)
 
     def app(self) -> Starlette:
         starts, stops = [], []
-        for part in (self.discovery, self.plan, self.election):
+        for part in (self.discovery, self.plan):
             if part is not None:
                 starts.append(part.start)
                 stops.append(part.stop)

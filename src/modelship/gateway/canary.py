@@ -118,16 +118,26 @@ class CanaryJudge:
         for outcomes in self._outcomes.values():
             outcomes.clear()
 
-    def record(self, track: Track, ok: bool, ttft_s: float | None, tenant: str = "") -> None:
-        """`ttft_s`: a stream's `judged_ttft`, else None (judged on errors alone)."""
-        self._outcomes[track].append(Outcome(self.clock(), ok, ttft_s, tenant))
+    def record(
+        self,
+        track: Track,
+        ok: bool,
+        ttft_s: float | None,
+        tenant: str = "",
+        at: float | None = None,
+    ) -> None:
+        """`ttft_s`: a stream's `judged_ttft`, else None (judged on errors alone); `at`:
+        when it finished, on `clock`'s scale (None: now). Outcomes may come out of order
+        (several gateways' evidence read from storage)."""
+        self._outcomes[track].append(Outcome(self.clock() if at is None else at, ok, ttft_s,
+                                             tenant))  # fmt: skip
 
     def _window(self, track: Track) -> list[Outcome]:
         outcomes = self._outcomes[track]
         oldest = self.clock() - self.config.window_s
         while outcomes and outcomes[0].at < oldest:
             outcomes.popleft()
-        return list(outcomes)
+        return [outcome for outcome in outcomes if outcome.at >= oldest]
 
     def stats(self, track: Track) -> TrackStats:
         return _stats(self._window(track))

@@ -5,7 +5,9 @@ and the rollback.
 holds their state. A request's key stays on one side of the split, hashed with the
 gateway's secret so a client choosing its session id cannot aim at (or away from) the
 canary. The judge hears each replica result (`record`); a verdict against the canary sets
-the weight to 0 at once and calls `on_rollback` once.
+the weight to 0 at once and calls `on_rollback` once. Where several gateways share a
+release plan (`fleet/standalone.py`), each hands its results to `evidence` instead, and
+only the elected leader judges them all, from storage (`fleet/stored_judge.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class CanarySplit:
         self.secret = hashlib.sha256(secret.encode()).digest() if secret else os.urandom(32)
         # Called once when the judge rolls the canary back (the fleet ends it on storage).
         self.on_rollback: Callable[[Verdict], None] | None = None
+        # Set: each result goes there, and this process does not judge (another does).
+        self.evidence: Callable[[Track, bool, float | None, str], None] | None = None
 
     def pick_track(self, tenant: str, key: str) -> Track:
         """The track for `key` (the tenant's session, user or conversation, else the
@@ -64,7 +68,11 @@ class CanarySplit:
         return Track.STABLE
 
     def record(self, track: Track, ok: bool, ttft_s: float | None, tenant: str) -> None:
-        """One request's result on `track`; a canary's may roll the canary back."""
+        """One request's result on `track`; a canary's may roll the canary back (here, or
+        where `evidence` takes it)."""
+        if self.evidence is not None:
+            self.evidence(track, ok, ttft_s, tenant)
+            return
         self.judge.record(track, ok, ttft_s, tenant)
         if track is Track.CANARY:
             self._judge()

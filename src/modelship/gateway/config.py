@@ -93,7 +93,8 @@ class CanaryJudgeConfig(_Section):
 
 
 class DriftProbeConfig(_Section):
-    """The quality-drift probe (`gateway/drift.py`, run by `modelship up`): each replica is
+    """The quality-drift probe (`gateway/drift.py`, run by `modelship up`, and by the leader
+    among gateways sharing a release plan, `fleet/plan_member.py`): each replica is
     asked the release's golden prompts when it becomes ready and every `interval_s` after;
     agreement below `min_agreement` raises the alert metric, and rolls a canary back."""
 

@@ -5,8 +5,9 @@ logprobs (`golden.json` in the release, `modelship/release/golden.py`). The prob
 replica the same prompts directly (not through routing, admission or tenants) as soon as
 it is ready and every `interval_s` after, and exports how much of the reference it
 reproduced. A replica below `min_agreement` raises `modelship_gateway_drift_alert`; on the
-canary track it is reported to `on_drift`, which `modelship up` answers by rolling the
-canary back, as it does a slow one. Weights changed on disk, a wrong file, or a kernel
+canary track it is reported to `on_drift`, which `modelship up` (and the leader of the
+standalone gateways, `fleet/plan_member.py`) answers by rolling the canary back, as it does
+a slow one. Weights changed on disk, a wrong file, or a kernel
 that computes differently all show up here, while latency and error rates look normal.
 """
 

@@ -18,7 +18,7 @@ from fleet_storage import publish_release
 from tiny_models import make_tiny_llama
 
 SLUG, OTHER = "tiny", "tiny-b"
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,8 @@ def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "models": [{"name": OTHER, "autoscale": {"min_replicas": 1, "max_replicas": 2}}],
     }
     with UpProcess(config, storage.root, SLUG, workdir).running() as up:
-        up.wait_for(lambda: len(up.replicas()) == 2, 120, "a replica of each model")
-        up.wait_for(lambda: both_answer(up), 120, "both models answering")
+        up.wait_for(lambda: len(up.replicas()) == 2, 300, "a replica of each model")
+        up.wait_for(lambda: both_answer(up), 300, "both models answering")
         yield up
 
 

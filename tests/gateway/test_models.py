@@ -23,7 +23,7 @@ from server_process import ServerProcess
 SERVICE = "tiny-engine"
 KEY = "sk-replica-test"  # the replicas' key, which the gateway holds
 ALL, ONLY_B = "sk-tenant-all", "sk-tenant-only-b"
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def replicas(tiny_llama_dir: Path) -> Iterator[dict[str, ServerProcess]]:
     """One replica of each model: `tiny` (the config's own) and `tiny-b` (from `models:`)."""
     args = ["--max-model-len", "128", "--kv-cache-memory-mb", "8"]
     started = {
-        name: ServerProcess(tiny_llama_dir, "--served-model-name", name, *args, api_key=KEY)
+        name: ServerProcess(
+            tiny_llama_dir, "--served-model-name", name, *args, api_key=KEY, timeout_s=300
+        )
         for name in ("tiny", "tiny-b")
     }
     yield started

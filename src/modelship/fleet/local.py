@@ -273,6 +273,8 @@ class LocalFleet:
         """The golden answers select recorded for `variant` in `release` (None: none): the
         release's own variant's in `golden.json`, a cheaper tier's from its evaluation in
         `production_metrics.json` (select measured every variant the same way)."""
+        if "/" in release:  # another model's replica (`model/N`): only the primary is probed
+            return None
         key = (release, variant)
         if key not in self._references:
             try:

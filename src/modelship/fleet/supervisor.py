@@ -279,7 +279,9 @@ class Supervisor:
         time to capacity."""
         replica.state = ReplicaState.READY
         spec = replica.spec
-        self.pool.add(replica.replica_id, replica.process.url, replica.group, str(spec.release),
+        # Another model's releases are numbered apart: its label names the model too.
+        release = str(spec.release) if spec.model is None else f"{spec.model}/{spec.release}"
+        self.pool.add(replica.replica_id, replica.process.url, replica.group, release,
                       spec.variant)  # fmt: skip
         state = self.groups[replica.group]
         if state.short_since is not None:

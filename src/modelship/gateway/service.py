@@ -259,6 +259,8 @@ class GatewayService:
     async def _forward(
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: RequestHold, request_id: str
     ) -> Response:
-        """The group that serves the request (`pick_group`), then the forwarder's."""
+        """The group that serves the request (`pick_group`), then the forwarder's; the
+        stable group of the model asked for is the fallback (a model tier's too)."""
         group = self.pick_group(parsed, tenant, request_id)
-        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, group)
+        home = model_group(parsed.served_model)
+        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, group, home)

@@ -14,8 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelship.deploy.config import DeployConfig
+from modelship.deploy.names import dns_name, model_slug
 from modelship.fleet.config import AutoscaleConfig
 from modelship.gateway.config import GatewayConfig
+from modelship.gateway.models import ModelCatalog
 from modelship.serve_options import ReplicaOptions, ServeOptions
 from modelship.tracing import TracingConfig
 
@@ -118,6 +120,21 @@ class RetryConfig(Section):
     max_backoff_s: float = Field(default=30.0, ge=0)
 
 
+class ModelEntry(Section):
+    """One more model served beside the config's own (`models:`): a model already on the
+    same storage with a production release (`modelship run` with that model made it), run
+    by replicas of its own behind the same gateway."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # its slug
+    served_model_name: str | None = None  # what requests name it; None: its slug
+    # Its replicas' autoscaling; None: the top-level `autoscale:`.
+    autoscale: AutoscaleConfig | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.name
+
+
 class ModelshipConfig(Section):
     source: str = "demo"  # a Hub repo id, a local folder, a .gguf file, or "demo"
     revision: str | None = None
@@ -132,6 +149,40 @@ class ModelshipConfig(Section):
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)  # gateway and replicas
     log_format: Literal["text", "json"] = "text"  # json: one object per line, with trace ids
+    # More models behind the same gateway (`gateway/models.py`): requests pick one by their
+    # `model` field; `gateway.tiers` may send requests to one of them (a model tier).
+    models: list[ModelEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _models_distinct(self) -> ModelshipConfig:
+        self.model_catalog()  # raises ValueError naming the model served twice
+        return self
+
+    def model_catalog(self, slug: str | None = None) -> ModelCatalog:
+        """The models the gateway serves: this config's own (its model is `slug`, else the
+        one `source`/`name` give) and `models:`. Their pods' labels are the render's."""
+        slug = slug or model_slug(self.source, self.name)
+        primary = self.serve.served_model_name or slug
+        names = [entry.served_name for entry in self.models]
+        slugs = [slug, *(entry.name for entry in self.models)]
+        for name in names:
+            if names.count(name) > 1 or name == primary:
+                raise ValueError(f"models: the model name {name!r} is served twice")
+        for other in slugs:
+            if slugs.count(other) > 1:
+                raise ValueError(f"models: the model {other!r} is listed twice")
+        for tier in self.gateway.tiers:
+            if tier.model is not None and tier.model not in names:
+                raise ValueError(
+                    f"gateway.tiers: tier {tier.name!r} names model {tier.model!r}; models "
+                    f"served beside {primary!r} (`models:`): {', '.join(names) or 'none'}"
+                )
+        return ModelCatalog(
+            primary=primary,
+            others={entry.served_name: dns_name(entry.name) for entry in self.models},
+            primary_label=self.deploy.name or dns_name(slug),
+            primary_adapters=frozenset(self.serve.loras),
+        )
 
     def replica_options(self, **fields: Any) -> ServeOptions:
         """What each replica of this config is started with (`modelship up`, the pods):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from modelship.config import ModelshipConfig
+from modelship.config import ModelEntry, ModelshipConfig
 from modelship.deploy.config import DeployConfig, ServingConfig
 from modelship.deploy.names import dns_name, model_slug
 
@@ -17,6 +18,23 @@ class RenderContext:
     name: str  # prefix of every object name, a DNS-1035 label
     slug: str  # the model's folder under models/
     served_model_name: str
+    # Another model served beside the config's own (`models:`); None: the config's own.
+    model: ModelEntry | None = None
+
+    def for_model(self, entry: ModelEntry) -> RenderContext:
+        """The context of the engines of `entry`, another model behind the same gateway."""
+        return dataclasses.replace(self, slug=entry.name, served_model_name=entry.served_name,
+                                   model=entry)  # fmt: skip
+
+    @property
+    def model_label(self) -> str:
+        """Its pods' `modelship.io/model` label (`ModelshipConfig.model_catalog`'s)."""
+        return self.name if self.model is None else dns_name(self.model.name)
+
+    @property
+    def engine_prefix(self) -> str:
+        """What its engine objects' names and component labels begin with."""
+        return self.name if self.model is None else f"{self.name}-{self.model_label}"
 
     @classmethod
     def from_config(cls, config: ModelshipConfig) -> RenderContext:

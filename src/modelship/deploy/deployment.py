@@ -47,10 +47,12 @@ METRICS_PORT = 9090  # the Service port named `metrics` (a ServiceMonitor select
 
 
 def track_names(ctx: RenderContext, track: str) -> tuple[str, str]:
-    """(object name, pod component label) of the stable or the canary engine."""
+    """(object name, pod component label) of the stable or the canary engine (of another
+    model: `<name>-<model>-engine`, component `<model>-engine`)."""
+    component = ENGINE if ctx.model is None else f"{ctx.model_label}-{ENGINE}"
     if track == "canary":
-        return f"{ctx.name}-{ENGINE}-canary", f"{ENGINE}-canary"
-    return f"{ctx.name}-{ENGINE}", ENGINE
+        return f"{ctx.engine_prefix}-{ENGINE}-canary", f"{component}-canary"
+    return f"{ctx.engine_prefix}-{ENGINE}", component
 
 
 def tier_names(ctx: RenderContext, tier: TierConfig) -> tuple[str, str]:
@@ -70,6 +72,8 @@ def engine_deployment(
     name, component = track_names(ctx, track) if tier is None else tier_names(ctx, tier)
     canary = ctx.serving.canary
     release = canary.release if track == "canary" and canary else ctx.serving.release
+    if ctx.model is not None:  # another model: its own production release
+        release = None
     pod_labels = selector(ctx.name, component)
     variant = None if tier is None else tier.variant
     container = engine_container(
@@ -113,7 +117,7 @@ def discovery_labels(
 ) -> dict[str, str]:
     """What the gateway reads from an engine Service's EndpointSlices (the names are
     `gateway/discovery.py`'s): the track, and a cheaper tier's name and variant."""
-    found = {"modelship.io/model": ctx.name, "modelship.io/track": track}
+    found = {"modelship.io/model": ctx.model_label, "modelship.io/track": track}
     if tier is not None:
         found.update({"modelship.io/tier": tier.name, "modelship.io/variant": tier.variant})
     return found
@@ -185,6 +189,9 @@ def _scaled(ctx: RenderContext, tier: TierConfig | None) -> tuple[str, str, int,
     tier's."""
     if tier is None:
         name, component = track_names(ctx, "stable")
+        scaling = ctx.model.autoscale if ctx.model is not None else None
+        if scaling is not None:  # another model's own bounds
+            return name, component, scaling.min_replicas, scaling.max_replicas
         return name, component, ctx.serving.min_replicas, ctx.serving.max_replicas
     name, component = tier_names(ctx, tier)
     return name, component, tier.min_replicas, tier.max_replicas
@@ -255,11 +262,13 @@ def scaled_object(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
 
 
 def engine_service_names(ctx: RenderContext) -> list[str]:
-    """The headless Services whose pods the gateway discovers: stable, canary, tiers."""
+    """The headless Services whose pods the gateway discovers: stable, canary, tiers, and
+    each other model's (`models:`)."""
     names = [track_names(ctx, "stable")[0]]
     if ctx.serving.canary is not None:
         names.append(track_names(ctx, "canary")[0])
-    return names + [tier_names(ctx, tier)[0] for tier in ctx.config.gateway.tiers]
+    names += [tier_names(ctx, tier)[0] for tier in ctx.config.gateway.variant_tiers]
+    return names + [track_names(ctx.for_model(e), "stable")[0] for e in ctx.config.models]
 
 
 def gateway_env(ctx: RenderContext) -> list[Json]:
@@ -387,13 +396,22 @@ def deployment_serving(ctx: RenderContext) -> list[Json]:
     ]
     if ctx.serving.canary is not None:
         objects += [engine_deployment(ctx, "canary"), engine_service(ctx, "canary")]
-    for tier in ctx.config.gateway.tiers:
+    for tier in ctx.config.gateway.variant_tiers:
         autoscaler = scaled_object if ctx.serving.autoscaler == "keda" else horizontal_autoscaler
         objects += [
             engine_deployment(ctx, tier=tier),
             engine_service(ctx, tier=tier),
             disruption_budget(ctx, *tier_names(ctx, tier)),  # a drain keeps its minimum
             autoscaler(ctx, tier),
+        ]
+    for entry in ctx.config.models:  # each other model: its engines, scaled on their own
+        model_ctx = ctx.for_model(entry)
+        autoscaler = scaled_object if ctx.serving.autoscaler == "keda" else horizontal_autoscaler
+        objects += [
+            engine_deployment(model_ctx),
+            engine_service(model_ctx),
+            disruption_budget(model_ctx, *track_names(model_ctx, "stable")),
+            autoscaler(model_ctx),
         ]
     objects += [
         *gateway_identity(ctx),

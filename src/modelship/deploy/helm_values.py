@@ -83,7 +83,7 @@ def helm_values(ctx: RenderContext) -> Json:
         "canary": None
         if canary is None
         else {"release": canary.release, "weight": canary.weight, "replicas": canary.replicas},
-        "tiers": [_tier(tier) for tier in ctx.config.gateway.tiers],
+        "tiers": [_tier(tier) for tier in ctx.config.gateway.variant_tiers],
         "gateway": {
             "replicas": serving.gateway.replicas,
             "port": serving.gateway.port,

@@ -90,6 +90,11 @@ def config_problems(config: ModelshipConfig) -> list[str]:
             "gateway.tiers: rendered for deploy.serving.kind 'deployment' only (an engine "
             "Deployment per tier); KServe serves one variant"
         )
+    if serving.kind == "kserve" and config.models:
+        problems.append(
+            "models: rendered for deploy.serving.kind 'deployment' only (an engine "
+            "Deployment per model behind the gateway); KServe serves one model"
+        )
     if serving.kind == "kserve" and config.serve.port in KNATIVE_RESERVED_PORTS:
         problems.append(f"serve.port: {config.serve.port} is reserved by Knative's queue-proxy")
     tasks = [task_name(variant) for variant in config.optimize.variants]

@@ -1,4 +1,5 @@
-"""`modelship up`: the gateway, the supervisor and the replicas of one model, locally.
+"""`modelship up`: the gateway, the supervisor and the replicas of a model, locally (and of
+the models served beside it: `models:`, each with its own replicas and autoscaling).
 
 The release plan lives on storage (the `production` link and `traffic.json`); the fleet
 reads it every `plan_interval_s` (`plan_follower.py`, as a standalone gateway does) and
@@ -31,7 +32,7 @@ from modelship.gateway.app import create_gateway_app
 from modelship.gateway.canary import Verdict
 from modelship.gateway.cost import USAGE_DIR, UsageLedger, derive_price
 from modelship.gateway.drift import DriftProbe, ProbeResult
-from modelship.gateway.groups import CANARY, STABLE, tier_group
+from modelship.gateway.groups import CANARY, STABLE, model_group, tier_group
 from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.request import GatewayError
 from modelship.gateway.service import GatewayService
@@ -74,6 +75,12 @@ class LocalFleet:
         self.served_model_name = config.serve.served_model_name or slug
         self.log_dir = storage.model_dir(slug) / "fleet"
         self.pool = EndpointPool(config.gateway.resilience)
+        for entry in config.models:  # before serving: a model without a release is an error
+            if storage.production_release(entry.name) is None:
+                raise PipelineError(
+                    f"models: {entry.name} has no production release under {storage.root}; "
+                    f"`modelship run` with that model makes one"
+                )
         # Replicas trust the gateway's settings (a tenant's prefix-cache namespace and input
         # cap, the failover's resume fields) only from holders of their key: without
         # serve.api_key the fleet makes one up (never stored).
@@ -86,6 +93,7 @@ class LocalFleet:
             fleet_snapshot=lambda: self.supervisor.snapshot(self.service),
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
+            catalog=config.model_catalog(slug),
         )
         self.service.canary.on_rollback = self._auto_rollback
         self.service.on_change_adapters = self._change_adapters
@@ -97,10 +105,12 @@ class LocalFleet:
             self.pool,
             FleetMetrics(self.service.metrics.fleet_registry),
             self._launch,
-            tiers=config.gateway.tiers,
+            tiers=config.gateway.variant_tiers,
+            models={e.served_name: e.autoscale or config.autoscale for e in config.models},
         )
         self.supervisor.on_canary_failed = self._canary_failed
-        for tier in config.gateway.tiers:  # before serving: a missing variant is a setup error
+        # Before serving: a missing variant is a setup error.
+        for tier in config.gateway.variant_tiers:
             folder = storage.variant_dir(slug, tier.variant)
             if not (folder / "manifest.json").is_file():
                 raise PipelineError(
@@ -123,10 +133,11 @@ class LocalFleet:
         self._tasks: list[asyncio.Task] = []
 
     def _launch(self, spec: ReleaseSpec, replica_id: str) -> ReplicaProcess:
+        primary = spec.model is None  # the adapters are the primary model's
         options = self.config.replica_options(
-            served_model_name=self.served_model_name,
+            served_model_name=spec.model or self.served_model_name,
             variant=spec.variant,
-            loras={**self.config.serve.loras, **self.runtime_loras},
+            loras={**self.config.serve.loras, **self.runtime_loras} if primary else {},
             # the gateway's admin calls reach every replica
             enable_lora_admin=bool(self.config.gateway.admin_api_key_sha256),
             tracing=self.config.tracing.resolved(),
@@ -234,10 +245,17 @@ class LocalFleet:
         """Point the tracks and the canary weight at what storage says now."""
         if production is not None:
             self.supervisor.set_target(STABLE, self.release_spec(production))
-            for tier in self.config.gateway.tiers:  # the release's cheaper variants
+            for tier in self.config.gateway.variant_tiers:  # the release's cheaper variants
                 folder = self.storage.variant_dir(self.slug, tier.variant)
                 spec = ReleaseSpec(production, folder, tier.variant)
                 self.supervisor.set_target(tier_group(tier.name), spec)
+        for entry in self.config.models:  # the other models: their production release
+            release = self.storage.production_release(entry.name)
+            if release is not None:
+                folder = self.storage.release_dir(entry.name, release)
+                variant = read_manifest(folder).extra.get("variant", "unknown")
+                spec = ReleaseSpec(release, folder, variant, entry.served_name)
+                self.supervisor.set_target(model_group(entry.served_name), spec)
         canary = plan.canary
         if canary is None or canary.release == production:
             self.supervisor.set_target(CANARY, None)
@@ -269,6 +287,8 @@ class LocalFleet:
         """The golden answers select recorded for `variant` in `release` (None: none): the
         release's own variant's in `golden.json`, a cheaper tier's from its evaluation in
         `production_metrics.json` (select measured every variant the same way)."""
+        if "/" in release:  # another model's replica (`model/N`): only the primary is probed
+            return None
         key = (release, variant)
         if key not in self._references:
             try:

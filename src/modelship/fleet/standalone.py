@@ -90,7 +90,7 @@ class StandaloneGateway:
         self.pool = EndpointPool(config.gateway.resilience)
         static_upstreams(self.pool, replicas.stable, STABLE, "stable", engine=kind)
         static_upstreams(self.pool, replicas.canary, CANARY, "canary", engine=kind)
-        tiers = {tier.name: tier for tier in config.gateway.tiers}
+        tiers = {tier.name: tier for tier in config.gateway.variant_tiers}
         tier_urls: dict[str, list[str]] = {}
         for item in replicas.tier_endpoints:
             name, _, url = item.partition("=")
@@ -101,9 +101,12 @@ class StandaloneGateway:
                     f"gateway.tiers ({known})"
                 )
             tier_urls.setdefault(name, []).append(url)
+        # The models behind it (`models:`): routed by name; their pods found by label.
+        catalog = config.model_catalog(plan.slug if plan is not None else None)
         self.discovery = None
         if discovery is not None:
-            self.discovery = EndpointDiscovery(discovery, self.pool, kind, set(tiers))
+            self.discovery = EndpointDiscovery(discovery, self.pool, kind, set(tiers),
+                                               catalog=catalog)  # fmt: skip
         for name, urls in tier_urls.items():
             variant = tiers[name].variant
             static_upstreams(self.pool, urls, tier_group(name), "stable", variant, kind)
@@ -131,6 +134,7 @@ class StandaloneGateway:
             canary_weight=weight if has_canary else 0,
             tracing=Tracing(config.tracing, "modelship-gateway"),
             access_log=config.log_format == "json",
+            catalog=catalog,
         )
         if usage_dir is not None:
             self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())

@@ -1,7 +1,8 @@
 """The local supervisor: replica processes started, made routable, drained, restarted.
 
 Replicas come in groups (`gateway/groups.py`): the stable and canary tracks of the
-primary tier, and one group per cheaper tier (`gateway.tiers`). Each group has a
+primary tier, one group per cheaper tier (`gateway.tiers`), and the stable group of each
+other model served beside the primary (`models:`), scaled by its own settings. Each group has a
 `GroupState`: the release it serves, its autoscaler policy (the canary: a fixed
 `canary_replicas`), its warm pool, its crash backoff and its times to ready. Every group
 goes through the same steps.
@@ -35,7 +36,7 @@ import statistics
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -45,7 +46,7 @@ import httpx
 from modelship.autoscale.policy import AutoscalerPolicy
 from modelship.fleet.config import AutoscaleConfig
 from modelship.fleet.metrics import FleetMetrics
-from modelship.gateway.groups import CANARY, STABLE, Group, tier_group
+from modelship.gateway.groups import CANARY, STABLE, Group, model_group, tier_group
 from modelship.gateway.metrics import FleetSnapshot
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.tiers import TierConfig
@@ -56,11 +57,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReleaseSpec:
-    """What a group serves: a release folder and the variant it holds."""
+    """What a group serves: a release folder and the variant it holds, and for another
+    model than the primary its served name (None: the primary's)."""
 
     release: int
     model_dir: Path
     variant: str
+    model: str | None = None
 
 
 class ReplicaState(StrEnum):
@@ -114,7 +117,10 @@ class Supervisor:
         launch: Launcher,
         clock: Callable[[], float] = time.monotonic,
         tiers: Sequence[TierConfig] = (),
+        models: Mapping[str, AutoscaleConfig] | None = None,
     ) -> None:
+        """`tiers`: the cheaper tiers run beside the primary; `models`: each other model's
+        served name and autoscaling."""
         self.config = config
         self.pool = pool
         self.metrics = metrics
@@ -130,6 +136,9 @@ class Supervisor:
             bounds = {"min_replicas": tier.min_replicas, "max_replicas": tier.max_replicas}
             policy = AutoscalerPolicy(config.model_copy(update=bounds))
             self.groups[tier_group(tier.name)] = GroupState(policy, warm_pool=config.warm_pool)
+        for name, scaling in (models or {}).items():
+            state = GroupState(AutoscalerPolicy(scaling), warm_pool=scaling.warm_pool)
+            self.groups[model_group(name)] = state
         self._num_started = 0
         self._client: httpx.AsyncClient | None = None
         # Called with the reason once the canary's replicas have failed
@@ -270,7 +279,9 @@ class Supervisor:
         time to capacity."""
         replica.state = ReplicaState.READY
         spec = replica.spec
-        self.pool.add(replica.replica_id, replica.process.url, replica.group, str(spec.release),
+        # Another model's releases are numbered apart: its label names the model too.
+        release = str(spec.release) if spec.model is None else f"{spec.model}/{spec.release}"
+        self.pool.add(replica.replica_id, replica.process.url, replica.group, release,
                       spec.variant)  # fmt: skip
         state = self.groups[replica.group]
         if state.short_since is not None:

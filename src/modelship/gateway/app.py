@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from modelship.body_limit import BodySizeLimit
 from modelship.gateway.adapters import parse_body
-from modelship.gateway.groups import STABLE
+from modelship.gateway.groups import model_group
 from modelship.gateway.metrics import CONTENT_TYPE
 from modelship.gateway.request import GatewayError, unavailable
 from modelship.gateway.responses import respond
@@ -117,25 +117,42 @@ def create_gateway_app(
 
 
 async def _models_from_replica(service: GatewayService, tenant: Tenant) -> Response:
-    """The replicas serve one model (and its LoRA adapters) under their names: ask a ready
-    stable one, and list only what the tenant may use."""
-    for endpoint in service.pool.endpoints(STABLE):
+    """Each model's replicas serve it (and its LoRA adapters) under their names: ask a ready
+    stable one of each model, and list only what the tenant may use. One model: its
+    replica's answer as is (filtered); several: the cards of every model that answered
+    (503 only when none did)."""
+    models = [None, *service.catalog.others]
+    listings = []
+    for model in models:
+        response = await _ask_models(service, model)
+        if response is None:
+            continue
+        if len(models) == 1 and response.status_code != 200:
+            return Response(response.content, status_code=response.status_code,
+                            media_type="application/json")  # fmt: skip
+        if response.status_code == 200:
+            listings.append(response.json())
+    if not listings:
+        raise unavailable("no replica is ready to serve; retry shortly")
+    listing = {**listings[0], "data": [card for each in listings for card in each["data"]]}
+    restricted = tenant.config.allowed_models is not None or tenant.private_adapters
+    if restricted:
+        listing["data"] = [card for card in listing["data"] if tenant.may_use(card["id"])]
+    return Response(json.dumps(listing).encode(), media_type="application/json")
+
+
+async def _ask_models(service: GatewayService, model: str | None) -> httpx.Response | None:
+    """GET /v1/models of a ready stable replica of `model` (None: none answered)."""
+    assert service.client is not None
+    for endpoint in service.pool.endpoints(model_group(model)):
         if not endpoint.is_routable:
             continue
         try:
-            response = await service.client.get(
+            return await service.client.get(
                 f"{endpoint.url}/v1/models",
                 headers=service.upstream_headers,
                 timeout=service.config.resilience.connect_timeout_s * 5,
             )
         except httpx.HTTPError:
             continue
-        content = response.content
-        restricted = tenant.config.allowed_models is not None or tenant.private_adapters
-        if restricted and response.status_code == 200:
-            listing = response.json()
-            listing["data"] = [card for card in listing["data"] if tenant.may_use(card["id"])]
-            content = json.dumps(listing).encode()
-        return Response(content, status_code=response.status_code,
-                        media_type="application/json")  # fmt: skip
-    raise unavailable("no replica is ready to serve; retry shortly")
+    return None

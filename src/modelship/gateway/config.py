@@ -248,6 +248,12 @@ class GatewayConfig(_Section):
                     )
         return self
 
+    @property
+    def variant_tiers(self) -> list[TierConfig]:
+        """The tiers run by replicas of their own (a variant's): not the model tiers, whose
+        replicas are another model's."""
+        return [tier for tier in self.tiers if tier.variant is not None]
+
     def bounded_by(self, max_model_len: int | None) -> GatewayConfig:
         """This config with `request_limits.max_prompt_tokens` from the replicas'
         max_model_len, where it is set and the config names no bound of its own: a longer

@@ -13,7 +13,8 @@ after every change the pool is made equal to the union of the slices' ready endp
 What a slice's labels say (the EndpointSlice controller copies the Service's labels onto
 its slices; `deploy/deployment.py` renders them): `modelship.io/track` (stable or canary),
 `modelship.io/tier` (a `gateway.tiers` name, or the primary), `modelship.io/release` and
-`modelship.io/variant` (else the one each replica's /ready names, as for `--endpoint`).
+`modelship.io/variant` (else the one each replica's /ready names, as for `--endpoint`), and
+`modelship.io/model` (which model of several, `models.ModelCatalog.model_of_label`).
 
 An endpoint that appears is routed to at once (its slice says ready: the kubelet's
 readiness probe of /ready passed); one that turns not-ready or leaves every slice is
@@ -40,6 +41,7 @@ from modelship.gateway.canary import Track
 from modelship.gateway.config import DiscoveryConfig
 from modelship.gateway.engines import EngineKind
 from modelship.gateway.groups import Group
+from modelship.gateway.models import ModelCatalog, UnknownLabel
 from modelship.gateway.pool import EndpointPool
 from modelship.gateway.tiers import PRIMARY
 
@@ -50,6 +52,7 @@ TRACK_LABEL = "modelship.io/track"
 TIER_LABEL = "modelship.io/tier"
 RELEASE_LABEL = "modelship.io/release"
 VARIANT_LABEL = "modelship.io/variant"
+MODEL_LABEL = "modelship.io/model"
 # The server ends each watch after this long and lightkube opens the next from the last
 # version seen: a watch silently cut by a proxy is noticed within it.
 WATCH_TIMEOUT_S = 240
@@ -68,11 +71,14 @@ class DiscoveredEndpoint:
 
 
 def ready_endpoints(
-    slice_: EndpointSlice, port_name: str, tier_names: set[str]
+    slice_: EndpointSlice,
+    port_name: str,
+    tier_names: set[str],
+    catalog: ModelCatalog | None = None,
 ) -> list[DiscoveredEndpoint]:
     """The ready endpoints of one slice (a condition left unset means ready, as the API
     documents), with the group and release its labels give; none when the slice names no
-    usable port or an unknown track or tier (logged)."""
+    usable port or an unknown track, tier or model (logged)."""
     labels = dict(slice_.metadata.labels or {}) if slice_.metadata else {}
     name = slice_.metadata.name if slice_.metadata else "?"
     ports = slice_.ports or []
@@ -84,7 +90,14 @@ def ready_endpoints(
         logger.warning("EndpointSlice %s: no port %r, or unknown track %r or tier %r: skipped",
                        name, port_name, track_value, tier)  # fmt: skip
         return []
-    group = Group(Track(track_value), tier)
+    try:
+        model = (catalog or ModelCatalog()).model_of_label(labels.get(MODEL_LABEL))
+    except UnknownLabel as exc:
+        logger.warning("EndpointSlice %s: model %r is none of the configured models "
+                       "(`models:`): skipped", name, str(exc))  # fmt: skip
+        return []
+    # Another model's pods serve its primary tier (`gateway.tiers` are the primary's).
+    group = Group(Track(track_value), tier if model is None else PRIMARY, model)
     release = labels.get(RELEASE_LABEL, track_value)
     found = []
     for endpoint in slice_.endpoints or []:
@@ -111,11 +124,13 @@ class EndpointDiscovery:
         engine: EngineKind,
         tier_names: set[str],
         client: AsyncClient | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.engine = engine
         self.tier_names = tier_names
+        self.catalog = catalog or ModelCatalog()
         self.client = client or self._client(config)
         self.slices: dict[str, list[DiscoveredEndpoint]] = {}
         self.num_lists = 0  # lists done (the first, then one per relist)
@@ -199,7 +214,7 @@ class EndpointDiscovery:
             self.reconcile()
 
     def _endpoints(self, slice_: EndpointSlice) -> list[DiscoveredEndpoint]:
-        return ready_endpoints(slice_, self.config.port, self.tier_names)
+        return ready_endpoints(slice_, self.config.port, self.tier_names, self.catalog)
 
     # The pool ----------------------------------------------------------------------------
     def reconcile(self) -> None:

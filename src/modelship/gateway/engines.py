@@ -54,14 +54,18 @@ class UpstreamBodies:
         self.parsed = parsed
         self.priority = priority
         self.cache_salt = cache_salt
-        self._bodies: dict[EngineKind, bytes] = {}
+        self._bodies: dict[tuple[EngineKind, str | None], bytes] = {}
 
-    def of(self, engine: EngineKind) -> bytes:
-        body = self._bodies.get(engine)
+    def of(self, engine: EngineKind, model: str | None = None) -> bytes:
+        """The body for `engine`; `model`: the name it asks for, where a model tier sends
+        the request to another model than its own (None: the client's)."""
+        body = self._bodies.get((engine, model))
         if body is None:
             extra: dict[str, object] = {"priority": engine.priority(self.priority)}
             if engine is EngineKind.VLLM:
                 extra["cache_salt"] = self.cache_salt
+            if model is not None:
+                extra["model"] = model
             body = self.parsed.encode(**extra)
-            self._bodies[engine] = body
+            self._bodies[(engine, model)] = body
         return body

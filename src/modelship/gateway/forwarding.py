@@ -30,8 +30,9 @@ from modelship.gateway.config import GatewayConfig
 from modelship.gateway.endpoint import NoEndpointError, OutputLengthEstimator, RoutingRequest
 from modelship.gateway.engines import UpstreamBodies
 from modelship.gateway.failover import FailoverOutcome, StreamProgress, can_fail_over
-from modelship.gateway.groups import Group, all_groups, fallback_order
+from modelship.gateway.groups import Group, fallback_order
 from modelship.gateway.metrics import GatewayMetrics
+from modelship.gateway.models import MODEL_HEADER, ModelCatalog
 from modelship.gateway.pool import EndpointPool, Upstream
 from modelship.gateway.proxy import (
     Attempt,
@@ -43,7 +44,7 @@ from modelship.gateway.proxy import (
 )
 from modelship.gateway.request import GatewayError, ParsedRequest, unavailable
 from modelship.gateway.resilience import Failure, FailureKind, RetryPolicy
-from modelship.gateway.routing import create_router
+from modelship.gateway.routing import Router, create_router
 from modelship.gateway.tenants import Tenant
 from modelship.gateway.tiers import TIER_HEADER
 from modelship.gateway.usage import StreamUsage, Usage, ask_for_usage
@@ -70,6 +71,7 @@ class Forwarder:
         has_replica_key: bool,
         judge_result: Callable[[Track, bool, float | None, str], None],
         says_release: Callable[[Tenant], bool],
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -77,6 +79,7 @@ class Forwarder:
         self.tracing = tracing
         self.judge_result = judge_result
         self.says_release = says_release
+        self.catalog = catalog or ModelCatalog()
         resilience = config.resilience
         self.retry_policy = RetryPolicy(
             max_attempts=resilience.max_attempts,
@@ -85,10 +88,7 @@ class Forwarder:
             rng=random.Random(),
         )
         self.policy = config.routing.policy
-        self.routers = {
-            group: create_router(self.policy, **config.routing.options)
-            for group in all_groups(tier.name for tier in config.tiers)
-        }
+        self.routers: dict[Group, Router] = {}  # one per group, made when first routed to
         self.estimator = OutputLengthEstimator(float(config.initial_output_tokens))
         self.upstream_headers = upstream_headers  # the service's: type, the replicas' key
         self.has_replica_key = has_replica_key
@@ -111,10 +111,13 @@ class Forwarder:
         hold: RequestHold,
         request_id: str,
         group: Group,
+        home: Group | None = None,
     ) -> Response:
         """The response to an admitted request, from the first of the group's replicas
-        (then its fallbacks) to answer; the hold ends here unless a stream is returned (it
-        ends with the stream). A `GatewayError` when none did."""
+        (then its fallbacks, then `home`'s: `groups.fallback_order`) to answer; the hold
+        ends here unless a stream is returned (it ends with the stream). A `GatewayError`
+        when none did."""
+        order = fallback_order(group, home)
         resilience = self.config.resilience
         estimate = self.estimator.estimate(parsed.max_tokens)
         routing = parsed.routing_request(estimate, tenant.cache_salt)
@@ -144,7 +147,7 @@ class Forwarder:
         num_attempts = num_candidates = 0
         try:
             async with asyncio.timeout_at(deadline):
-                for upstream in self.candidates(group, routing):
+                for upstream in self.candidates(order, routing):
                     num_candidates += 1
                     if num_attempts >= self.retry_policy.max_attempts:
                         break
@@ -153,8 +156,9 @@ class Forwarder:
                     if num_attempts:
                         await asyncio.sleep(self.retry_policy.backoff_s(num_attempts))
                     num_attempts += 1
+                    body = bodies.of(upstream.engine, self._model_field(upstream, parsed))
                     attempt = await self._attempt(
-                        upstream, path, bodies.of(upstream.engine), headers, parsed, hold, routing
+                        upstream, path, body, headers, parsed, hold, routing
                     )
                     if attempt.failure is None or not self.retry_policy.should_retry(
                         attempt.failure, num_attempts
@@ -177,24 +181,28 @@ class Forwarder:
             resume = None
             if failover:
                 resume = functools.partial(
-                    self._resume, path, parsed, headers, group, routing, hold, request_id
+                    self._resume, path, parsed, headers, order, routing, hold, request_id
                 )
             return self._stream(attempt, hold, request_id, routing.num_tokens, deadline, usage,
-                                resume)  # fmt: skip
+                                resume, parsed)  # fmt: skip
         attempt.upstream.endpoint.remove_request(routing.num_tokens)
         usage = Usage.from_payload(attempt.payload) if attempt.status_code == 200 else None
         if usage is not None:
             self.estimator.observe(usage.completion_tokens // parsed.num_sequences)
         hold.end(attempt.status_code, attempt.ttft_s, usage or Usage(parsed.input_tokens, 0))
-        headers = _response_headers(attempt, request_id, self.says_release(tenant))
+        headers = self._response_headers(attempt, request_id, tenant, parsed)
         return Response(attempt.body, status_code=attempt.status_code, headers=headers)
 
-    def candidates(self, group: Group, routing: RoutingRequest) -> Iterator[Upstream]:
-        """For each group of `fallback_order(group)`: its router's choice, then its
+    def candidates(self, order: tuple[Group, ...], routing: RoutingRequest) -> Iterator[Upstream]:
+        """For each group of `order` (`fallback_order`): its router's choice, then its
         fallbacks. Only the first group's routing decision is counted."""
-        for i, candidate in enumerate(fallback_order(group)):
+        for i, candidate in enumerate(order):
+            router = self.routers.get(candidate)
+            if router is None:
+                router = create_router(self.policy, **self.config.routing.options)
+                self.routers[candidate] = router
             try:
-                decision = self.routers[candidate].choose(routing, self.pool.endpoints(candidate))
+                decision = router.choose(routing, self.pool.endpoints(candidate))
             except NoEndpointError:
                 continue
             if i == 0:
@@ -281,6 +289,7 @@ class Forwarder:
         deadline: float,
         usage: StreamUsage,
         resume: Resume | None = None,
+        parsed: ParsedRequest | None = None,
     ) -> StreamingResponse:
         first = attempt  # its first byte and first token came from this replica
 
@@ -310,7 +319,7 @@ class Forwarder:
                 )
             hold.end(how.status_code, first.ttft_s, used)
 
-        headers = _response_headers(attempt, request_id, self.says_release(hold.tenant))
+        headers = self._response_headers(attempt, request_id, hold.tenant, parsed)
         return StreamingResponse(pump(attempt, deadline, usage, on_end, resume), headers=headers)
 
     async def _resume(
@@ -318,7 +327,7 @@ class Forwarder:
         path: str,
         parsed: ParsedRequest,
         headers: dict[str, str],
-        group: Group,
+        order: tuple[Group, ...],
         routing: RoutingRequest,
         hold: RequestHold,
         request_id: str,
@@ -333,12 +342,15 @@ class Forwarder:
         if hold.num_failovers >= self.config.resilience.max_failovers:
             self.metrics.failovers.labels(str(FailoverOutcome.EXHAUSTED)).inc()
             return None
-        content = parsed.encode(resume_token_ids=progress.token_ids)
-        for upstream in self.candidates(group, routing):
+        model = failed.upstream.group.model
+        extra = {"model": name} if (name := self._model_field(failed.upstream, parsed)) else {}
+        content = parsed.encode(resume_token_ids=progress.token_ids, **extra)
+        for upstream in self.candidates(order, routing):
             if hold.num_failovers >= self.config.resilience.max_failovers:
                 break
             if (
-                upstream.endpoint_id in hold.tried
+                upstream.group.model != model  # another model continues no model's tokens
+                or upstream.endpoint_id in hold.tried
                 or not upstream.engine.can_resume  # vLLM ignores `resume_token_ids`
                 or not upstream.breaker.allow_request()
             ):
@@ -446,16 +458,30 @@ def _is_cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
 
+    def _model_field(self, upstream: Upstream, parsed: ParsedRequest) -> str | None:
+        """The `model` the replica is asked for: its model's name where a model tier sent
+        the request there, else None (the client's own)."""
+        if upstream.group.model == parsed.served_model:
+            return None
+        return self.catalog.name_of(upstream.group.model, parsed.model)
 
-def _response_headers(attempt: Attempt, request_id: str, with_release: bool) -> dict[str, str]:
-    """The replica's content headers, plus which variant and tier answered, and with
-    `with_release` which release (`GatewayAuth.says_release`)."""
-    headers = {
-        **attempt.passed_headers(),
-        REQUEST_ID_HEADER: request_id,
-        "x-modelship-variant": attempt.upstream.variant,
-        TIER_HEADER: attempt.upstream.tier,
-    }
-    if with_release:
-        headers["x-modelship-release"] = attempt.upstream.release
-    return headers
+    def _response_headers(
+        self, attempt: Attempt, request_id: str, tenant: Tenant, parsed: ParsedRequest | None
+    ) -> dict[str, str]:
+        """The replica's content headers, plus which model, variant and tier answered, and
+        for a tenant that may know it (`GatewayAuth.says_release`) which release."""
+        upstream = attempt.upstream
+        requested = parsed.model if parsed is not None else ""
+        tier = upstream.tier
+        if parsed is not None and parsed.model_tier and self._model_field(upstream, parsed):
+            tier = parsed.model_tier  # another model answered as the tier
+        headers = {
+            **attempt.passed_headers(),
+            REQUEST_ID_HEADER: request_id,
+            MODEL_HEADER: self.catalog.name_of(upstream.group.model, requested),
+            "x-modelship-variant": upstream.variant,
+            TIER_HEADER: tier,
+        }
+        if self.says_release(tenant):
+            headers["x-modelship-release"] = upstream.release
+        return headers

@@ -106,6 +106,10 @@ class ParsedRequest:
     num_sequences: int = 1
     raw: bytes = b""  # the body as the client sent it
     requested_tier: str | None = None  # the tier the client named (`x-modelship-tier`)
+    # The model whose replicas serve it (`models.ModelCatalog.resolve`; None: the primary).
+    served_model: str | None = None
+    # The model tier (`tiers.TierConfig.model`) that sends it to another model, if one does.
+    model_tier: str | None = None
     changed: dict[str, Any] = field(default_factory=dict)  # fields the gateway set (`set`)
 
     def set(self, key: str, value: Any) -> None:

@@ -27,8 +27,9 @@ from modelship.gateway.canary_split import CanarySplit
 from modelship.gateway.config import GatewayConfig
 from modelship.gateway.cost import Price
 from modelship.gateway.forwarding import Forwarder, unless_client_gone
-from modelship.gateway.groups import STABLE, Group, tier_group
+from modelship.gateway.groups import STABLE, Group, model_group, tier_group
 from modelship.gateway.metrics import FleetSnapshot, GatewayMetrics, pool_snapshot
+from modelship.gateway.models import ModelCatalog
 from modelship.gateway.pool import EndpointPool, HealthChecker
 from modelship.gateway.request import (
     GatewayError,
@@ -59,13 +60,17 @@ class GatewayService:
         fleet_snapshot: Callable[[], FleetSnapshot] | None = None,
         tracing: Tracing | None = None,
         access_log: bool = False,
+        catalog: ModelCatalog | None = None,
     ) -> None:
+        """`catalog`: the models served (`models.py`); None: one model, named by nobody."""
         self.config = config
+        self.catalog = catalog or ModelCatalog()
         self.tracing = tracing or Tracing()  # off unless configured: spans cost nothing
         self.pool = pool
         self.auth = GatewayAuth(config, api_key)
         self.admission = AdmissionQueue(config.admission)
         self.served_tiers = [PRIMARY, *(tier.name for tier in config.tiers)]
+        self.tier_models = {tier.name: tier.model for tier in config.tiers if tier.model}
         # The local fleet's: adapters changed on the replicas it runs and those it starts.
         self.on_change_adapters: (
             Callable[[Action, dict[str, str]], Awaitable[tuple[int, dict]]] | None
@@ -79,7 +84,8 @@ class GatewayService:
                                   num_tenants=len(config.tenants))  # fmt: skip
         self.forwarder = Forwarder(config, pool, self.metrics, self.tracing,
                                    self.upstream_headers, bool(upstream_api_key),
-                                   self.canary.record, self.auth.says_release)  # fmt: skip
+                                   self.canary.record, self.auth.says_release,
+                                   self.catalog)  # fmt: skip
         prices = {
             name: Price(p.input_per_1k, p.output_per_1k) for name, p in config.cost.variants.items()
         }
@@ -160,6 +166,8 @@ class GatewayService:
                 self.config.request_limits,
             )
             parsed.requested_tier = requested_tier(request.headers, self.served_tiers)
+            if tenant.may_use(parsed.model):  # else refused as not allowed (403), not 404
+                parsed.served_model = self.catalog.resolve(parsed.model)
             hold = await self._admit(tenant, parsed, request_id, span)
         except GatewayError as error:
             self.metrics.requests.labels(tenant_name, str(error.status_code), "none", "none").inc()
@@ -208,11 +216,13 @@ class GatewayService:
                            parsed.model or "default", span)  # fmt: skip
 
     def pick_group(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Group:
-        """The group that serves the request: its tier, then for the primary tier the
-        canary split's track."""
+        """The group that serves the request: another model's stable group, else (the
+        primary model) its tier, then for the primary tier the canary split's track."""
+        if parsed.served_model is not None:
+            return model_group(parsed.served_model)
         tier = self.pick_tier(parsed, tenant).tier
         if tier != PRIMARY:
-            return tier_group(tier)
+            return self.tier_group(tier, parsed)
         return Group(self.pick_track(parsed, tenant, request_id))
 
     def pick_tier(self, parsed: ParsedRequest, tenant: Tenant) -> TierDecision:
@@ -223,13 +233,23 @@ class GatewayService:
         if not config.tiers:
             self.metrics.tier_decisions.labels(PRIMARY, "default").inc()
             return TierDecision(PRIMARY, "default")
-        loads = {name: self.pool.load(tier_group(name)) for name in self.served_tiers}
+        loads = {name: self.pool.load(self.tier_group(name)) for name in self.served_tiers}
         need = TierNeed(tenant.priority, parsed.max_tokens, parsed.input_tokens,
                         parsed.requested_tier)  # fmt: skip
         decision = choose_tier(config.tiers, config.tier_rules, config.brownout, need,
                                tenant.config, loads)  # fmt: skip
         self.metrics.tier_decisions.labels(decision.tier, decision.reason).inc()
         return decision
+
+    def tier_group(self, tier: str, parsed: ParsedRequest | None = None) -> Group:
+        """The group serving `tier`: a model tier's model's stable group (and `parsed`, the
+        request it serves, then asks for that model), else the tier's own."""
+        model = self.tier_models.get(tier)
+        if model is None:
+            return tier_group(tier)
+        if parsed is not None:
+            parsed.model_tier = tier
+        return model_group(model)
 
     def pick_track(self, parsed: ParsedRequest, tenant: Tenant, request_id: str) -> Track:
         """The canary split's track (`CanarySplit.pick_track`) for the tenant's session (or
@@ -239,6 +259,8 @@ class GatewayService:
     async def _forward(
         self, path: str, parsed: ParsedRequest, tenant: Tenant, hold: RequestHold, request_id: str
     ) -> Response:
-        """The group that serves the request (`pick_group`), then the forwarder's."""
+        """The group that serves the request (`pick_group`), then the forwarder's; the
+        stable group of the model asked for is the fallback (a model tier's too)."""
         group = self.pick_group(parsed, tenant, request_id)
-        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, group)
+        home = model_group(parsed.served_model)
+        return await self.forwarder.forward(path, parsed, tenant, hold, request_id, group, home)

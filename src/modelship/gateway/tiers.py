@@ -2,7 +2,9 @@
 
 A fleet serves its production release (the `primary` tier) and, with `gateway.tiers`, more
 tiers: each one a variant the optimize stage built and select measured (e.g. gptq beside an
-fp16 release), run by replicas of its own. Tiers are ranked: primary first, then `tiers` in
+fp16 release), run by replicas of its own; or, a model tier, another model served behind the
+same gateway (`models:` in pipeline.yaml; smaller or larger), run by that model's replicas
+and asked under its name. Tiers are ranked: primary first, then `tiers` in
 the order configured, best to cheapest. Which tier serves a request is decided once, before
 routing (`choose_tier`, pure), in this order:
 
@@ -23,7 +25,8 @@ say. A tier named and not granted is counted with reason `denied` and the rules'
 serves; one named without a routable replica gives way to the rules' tier.
 
 The decision's tier and reason are counted (`modelship_gateway_tier_decisions_total`); the
-answer names the variant that served it (`x-modelship-variant`).
+answer names the tier, model and variant that served it (`x-modelship-tier`,
+`x-modelship-model`, `x-modelship-variant`).
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ class _Section(BaseModel):
 
 
 class TierConfig(_Section):
-    """One cheaper tier: replicas of an optimized variant of the served model."""
+    """One more tier: replicas of an optimized variant of the served model (`variant`), or
+    another model behind the same gateway (`model`: its served name, one of `models:`)."""
 
     # A DNS label: it names the tier's Kubernetes objects too.
     name: str = Field(min_length=1, max_length=20, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
-    variant: str = Field(min_length=1)  # the folder under models/<slug>/optimized/
+    variant: str | None = Field(default=None, min_length=1)  # under models/<slug>/optimized/
+    model: str | None = Field(default=None, min_length=1)  # scaled as that model is
     # Kept running however idle: brown-out needs a ready replica the moment load comes.
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
@@ -61,6 +66,8 @@ class TierConfig(_Section):
     def _valid(self) -> TierConfig:
         if self.name in _RESERVED:
             raise ValueError(f"tier name {self.name!r} is reserved")
+        if (self.variant is None) == (self.model is None):
+            raise ValueError(f"tier {self.name}: set one of `variant` and `model`")
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"tier {self.name}: min_replicas ({self.min_replicas}) exceeds max_replicas "

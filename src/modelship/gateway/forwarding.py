@@ -399,6 +399,34 @@ class Forwarder:
             return
         self.judge_result(upstream.track, ok, ttft_s, hold.tenant.name)
 
+    def _model_field(self, upstream: Upstream, parsed: ParsedRequest) -> str | None:
+        """The `model` the replica is asked for: its model's name where a model tier sent
+        the request there, else None (the client's own)."""
+        if upstream.group.model == parsed.served_model:
+            return None
+        return self.catalog.name_of(upstream.group.model, parsed.model)
+
+    def _response_headers(
+        self, attempt: Attempt, request_id: str, tenant: Tenant, parsed: ParsedRequest | None
+    ) -> dict[str, str]:
+        """The replica's content headers, plus which model, variant and tier answered, and
+        for a tenant that may know it (`GatewayAuth.says_release`) which release."""
+        upstream = attempt.upstream
+        requested = parsed.model if parsed is not None else ""
+        tier = upstream.tier
+        if parsed is not None and parsed.model_tier and self._model_field(upstream, parsed):
+            tier = parsed.model_tier  # another model answered as the tier
+        headers = {
+            **attempt.passed_headers(),
+            REQUEST_ID_HEADER: request_id,
+            MODEL_HEADER: self.catalog.name_of(upstream.group.model, requested),
+            "x-modelship-variant": upstream.variant,
+            TIER_HEADER: tier,
+        }
+        if self.says_release(tenant):
+            headers["x-modelship-release"] = upstream.release
+        return headers
+
 
 async def unless_client_gone(
     request: Request, forward: Coroutine[Any, Any, Response], hold: RequestHold
@@ -457,31 +485,3 @@ def _is_cancelling() -> bool:
     """Whether the running task itself is being cancelled (not just what it awaits)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-    def _model_field(self, upstream: Upstream, parsed: ParsedRequest) -> str | None:
-        """The `model` the replica is asked for: its model's name where a model tier sent
-        the request there, else None (the client's own)."""
-        if upstream.group.model == parsed.served_model:
-            return None
-        return self.catalog.name_of(upstream.group.model, parsed.model)
-
-    def _response_headers(
-        self, attempt: Attempt, request_id: str, tenant: Tenant, parsed: ParsedRequest | None
-    ) -> dict[str, str]:
-        """The replica's content headers, plus which model, variant and tier answered, and
-        for a tenant that may know it (`GatewayAuth.says_release`) which release."""
-        upstream = attempt.upstream
-        requested = parsed.model if parsed is not None else ""
-        tier = upstream.tier
-        if parsed is not None and parsed.model_tier and self._model_field(upstream, parsed):
-            tier = parsed.model_tier  # another model answered as the tier
-        headers = {
-            **attempt.passed_headers(),
-            REQUEST_ID_HEADER: request_id,
-            MODEL_HEADER: self.catalog.name_of(upstream.group.model, requested),
-            "x-modelship-variant": upstream.variant,
-            TIER_HEADER: tier,
-        }
-        if self.says_release(tenant):
-            headers["x-modelship-release"] = upstream.release
-        return headers

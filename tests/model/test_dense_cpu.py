@@ -40,7 +40,8 @@ def test_dense_linear_matches_a_float64_reference(
     expected = x.double() @ weight.double().T + bias.double()
     actual = cpu_kernels.dense_linear(x, weight, bias)
     assert actual.dtype == torch.float32 and actual.shape == (num_rows, out_features)
-    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+    # fp32 accumulation over up to 576 products of unit-scale values: rounding reaches ~1e-5
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)

@@ -1,11 +1,14 @@
-"""Greedy decoding is repeatable on the demo model in the default serving configuration.
+"""Greedy decoding is repeatable on the demo model in the default serving configuration,
+for every kind of weights a release can serve.
 
 The same temperature-0 request must give the same tokens alone, inside a batch of 8, after
 its prompt's blocks are in the prefix cache, and streamed or not through the server. That
 holds because every kernel on the CPU serving path computes a row the same way whatever
-else is in the step (W4A8 linears, the int8 head, the paged-attention kernel, one RMSNorm
-path, the fused decoder op); see docs/performance.md. The demo model is quantized with
-llm-compressor's round-to-nearest W4A16 at group size 64 (`demo_int4_dir` in conftest).
+else is in the step (W4A8 and dense linears, the int8 head, the paged-attention kernel, one
+RMSNorm path, the fused decoder op); see docs/performance.md. Each test runs on the demo
+model quantized with llm-compressor's round-to-nearest W4A16 at group size 64
+(`demo_int4_dir` in conftest), on its fp16 variant as the optimize stage writes it, and on
+the base checkpoint served directly (both dense, bf16 compute on the CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 
 from modelship.engine import LLM, SamplingParams
 from modelship.model import cpu_kernels
+from modelship.pipeline.optimize.cast import FP16, run_cast
 
 from server_process import ServerProcess
 
@@ -37,6 +41,20 @@ OTHERS = [
     "Once upon a time, in a small village,",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+VARIANTS = {"int4": "demo_int4_dir", "fp16": "demo_fp16_dir", "base": "demo_model_dir"}
+
+
+@pytest.fixture(scope="module")
+def demo_fp16_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's fp16 variant (`pipeline.optimize.cast`, the optimize stage's own)."""
+    out = tmp_path_factory.mktemp("demo-fp16")
+    run_cast(FP16.default_recipe, demo_model_dir, out)
+    return out
+
+
+@pytest.fixture(params=list(VARIANTS))
+def model_dir(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(VARIANTS[request.param])
 
 
 def tokens_and_logprobs(output) -> list[tuple[int, float]]:
@@ -47,8 +65,8 @@ def tokens_and_logprobs(output) -> list[tuple[int, float]]:
     ]
 
 
-def test_greedy_is_the_same_alone_in_a_batch_and_cached(demo_int4_dir: Path) -> None:
-    llm = LLM(demo_int4_dir, max_num_batched_tokens=2048)  # default kernels: auto
+def test_greedy_is_the_same_alone_in_a_batch_and_cached(model_dir: Path) -> None:
+    llm = LLM(model_dir, max_num_batched_tokens=2048)  # default kernels: auto
     alone = llm.generate(PROMPT, GREEDY)[0]
     assert alone.num_cached_tokens == 0
     # the same prompt again: its full blocks now come from the prefix cache
@@ -63,15 +81,16 @@ def test_greedy_is_the_same_alone_in_a_batch_and_cached(demo_int4_dir: Path) -> 
     assert tokens_and_logprobs(in_batch) == expected
 
 
-def test_greedy_with_chunked_prefill_equals_one_chunk(demo_int4_dir: Path) -> None:
-    whole = LLM(demo_int4_dir).generate(PROMPT, GREEDY)[0]
-    chunked = LLM(demo_int4_dir, max_num_batched_tokens=7).generate(PROMPT, GREEDY)[0]
+def test_greedy_with_chunked_prefill_equals_one_chunk(model_dir: Path) -> None:
+    whole = LLM(model_dir).generate(PROMPT, GREEDY)[0]
+    chunked = LLM(model_dir, max_num_batched_tokens=7).generate(PROMPT, GREEDY)[0]
     assert tokens_and_logprobs(chunked) == tokens_and_logprobs(whole)
 
 
-@pytest.fixture(scope="module")
-def client(demo_int4_dir: Path) -> Iterator[openai.OpenAI]:
-    process = ServerProcess(demo_int4_dir, "--served-model-name", "demo")
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
+    model_dir = request.getfixturevalue(VARIANTS[request.param])
+    process = ServerProcess(model_dir, "--served-model-name", "demo")
     try:
         yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
     finally:

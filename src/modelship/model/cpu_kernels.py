@@ -4,8 +4,10 @@
   `quant.int8`;
 - `rope_paged_attention` (used by `llama.py`) and `paged_attention` (used by
   `attention.py`): `csrc/attention_cpu.cpp`;
+- `dense_linear` (used by `quant.base.dense_linear`): bf16/fp16/fp32 weights widened to fp32
+  in registers, each row reduced in one order whatever the batch: `csrc/dense_cpu.cpp`;
 - `decoder_layers` (used by `fused_decoder.py`): every decoder layer in one call,
-  `csrc/decoder_cpu.cpp`, on the other two files' kernels (`csrc/cpu_kernels.h`).
+  `csrc/decoder_cpu.cpp`, on the other files' kernels (`csrc/cpu_kernels.h`, `dense_cpu.h`).
 
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
 kernels. The build is a torch C++ extension compiled with ninja into torch's extension
@@ -40,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 _NAME = "modelship_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("q4_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp")]
-_HEADERS = [_CSRC / "cpu_kernels.h"]
+_SOURCES = [
+    _CSRC / name for name in ("q4_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp", "dense_cpu.cpp")
+]
+_HEADERS = [_CSRC / "cpu_kernels.h", _CSRC / "dense_cpu.h"]
 # -ffp-contract=off: GCC would otherwise fuse a scalar `a += b * c` into an FMA in some
 # template instances and not in others, and a row would round differently depending on
 # which tile shape computed it (batch invariance needs one rounding per row).
@@ -170,6 +174,14 @@ def q8_linear(
     group_size: int,  # activation quantization group
 ) -> torch.Tensor:  # [n, out] fp32
     return torch.ops.modelship.q8_linear(x, qweight, scales, group_size)
+
+
+def dense_linear(
+    x: torch.Tensor,  # [n, in] float
+    weight: torch.Tensor,  # [out, in] bf16, fp16 or fp32, contiguous
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:  # [n, out] fp32
+    return torch.ops.modelship.dense_linear(x, weight, bias)
 
 
 def paged_attention(

@@ -1,5 +1,6 @@
 // Every decoder layer of a Llama-family model, plus the final norm, in one call: the CPU
-// serving path with W4A8 projections and the paged-attention kernel.
+// serving path with W4A8 or dense (bf16/fp16/fp32, `dense_cpu.cpp`) projections and the
+// paged-attention kernel.
 //
 // Why: the layers' kernels take ~6.5 ms of a batch-1 decode step on the demo model, while
 // running them from Python as ~35 small torch ops per layer cost as much again. Here the
@@ -10,6 +11,7 @@
 //   x = rmsnorm(residual) -> int8 per group -> qkv (+ bias) -> RoPE, K/V write, attention
 //   -> int8 -> o_proj; residual += o; x = rmsnorm(residual) -> int8 -> gate_up
 //   -> silu(gate) * up -> int8 -> down; residual += down
+// (a dense projection takes its fp32 rows as they are, without the int8 step)
 // Every row is computed on its own: its norm, activation quantization and matmul
 // reductions do not depend on the other rows or on how a prompt was chunked, so greedy
 // decoding stays repeatable.
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "dense_cpu.h"
 
 namespace {
 
@@ -39,7 +42,8 @@ using modelship::Q4Weight;
 using modelship::QuantizedActivations;
 
 // The tensors of one layer: norm weights and the q/k/v bias fp32 (bias: an empty tensor
-// when the model has none), each projection as (qweight, scales, mins) of `pack_q4`.
+// when the model has none), each projection as (qweight, scales, mins) of `pack_q4`, or
+// dense as (weight [N, K] bf16/fp16/fp32, empty, empty).
 enum LayerTensor : int64_t {
   kInputNorm,
   kQkvWeight, kQkvScales, kQkvMins, kQkvBias,
@@ -50,14 +54,21 @@ enum LayerTensor : int64_t {
   kTensorsPerLayer,
 };
 
+// One projection: W4A8 on int8 activations, or dense on the fp32 rows.
+struct Projection {
+  Q4Weight q4;
+  modelship::DenseWeight dense;
+  bool is_dense;
+};
+
 struct Layer {
   const float* input_norm;  // [hidden]
-  Q4Weight qkv;             // [(H + 2 KVH) D, hidden]
+  Projection qkv;           // [(H + 2 KVH) D, hidden]
   const float* qkv_bias;    // [(H + 2 KVH) D] or null
-  Q4Weight o;               // [hidden, H D]
+  Projection o;             // [hidden, H D]
   const float* post_norm;   // [hidden]
-  Q4Weight gate_up;         // [2 I, hidden]
-  Q4Weight down;            // [hidden, I]
+  Projection gate_up;       // [2 I, hidden]
+  Projection down;          // [hidden, I]
   float* kv;                // this layer's fp32 cache [num_slots, 2, KVH, D], or null
   int8_t* kv_int8;          // this layer's int8 cache [num_slots, 2, KVH, D], or null
   float* kv_scales;         // with kv_int8: [num_slots, 2, KVH]
@@ -100,6 +111,11 @@ Q4Weight q4_weight(const torch::Tensor* t, int64_t N, int64_t K, const char* nam
   TORCH_CHECK(G % 64 == 0 && G <= 256, name, ": group size a multiple of 64, at most 256");
   return {qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(),
           N, K, G};
+}
+
+Projection projection(const torch::Tensor* t, int64_t N, int64_t K, const char* name) {
+  if (t[0].scalar_type() == at::kByte) return {q4_weight(t, N, K, name), {}, false};
+  return {{}, modelship::dense_weight(t[0], N, K, name), true};
 }
 
 // residual += branch (when given); x = rmsnorm(residual) * weight, all fp32. The sum of
@@ -150,6 +166,27 @@ void quantize_rows(int64_t T, const Q4Weight& w, QuantizedActivations& a, MakeRo
   });
 }
 
+// out [T, N] = T rows, each made by `make_row(t, buf)` (as in `quantize_rows`), times the
+// projection: quantized to int8 into `a` for W4A8, gathered as fp32 into `rows` for dense.
+template <typename MakeRow>
+void project(int64_t T, const Projection& p, QuantizedActivations& a, std::vector<float>& rows,
+             MakeRow make_row, float* out) {
+  if (!p.is_dense) {
+    quantize_rows(T, p.q4, a, make_row);
+    modelship::q4_matmul(a, p.q4, T, out);
+    return;
+  }
+  const int64_t K = p.dense.K;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* buf = rows.data() + t * K;
+      const float* row = make_row(t, buf);
+      if (row != buf) std::copy(row, row + K, buf);
+    }
+  });
+  modelship::dense_matmul(rows.data(), p.dense, T, out);
+}
+
 }  // namespace
 
 torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights,
@@ -179,7 +216,11 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
                   cos.size(1) == D && cos.sizes() == sin.sizes(),
               "cos and sin: contiguous fp32 [max_positions, head_dim]");
   const int64_t qkv_width = (H + 2 * KVH) * D;
-  const int64_t intermediate = weights[kDownWeight].size(1) * 2;
+  const torch::Tensor& down0 = weights[kDownWeight];  // packed int4: two columns a byte
+  const int64_t intermediate = down0.size(1) * (down0.scalar_type() == at::kByte ? 2 : 1);
+  // the norm and SiLU loops run 8 columns at a time (int4 group sizes are multiples of 64)
+  TORCH_CHECK(hidden_size % 8 == 0 && intermediate % 8 == 0,
+              "hidden and intermediate sizes must be multiples of 8");
 
   std::vector<Layer> layers(num_layers);
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -190,14 +231,14 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
                 "kv caches: contiguous, all fp32 or all int8, all of one shape");
     Layer& layer = layers[l];
     layer.input_norm = fp32_vector(w[kInputNorm], hidden_size, "input_norm");
-    layer.qkv = q4_weight(w + kQkvWeight, qkv_width, hidden_size, "qkv_proj");
+    layer.qkv = projection(w + kQkvWeight, qkv_width, hidden_size, "qkv_proj");
     layer.qkv_bias = w[kQkvBias].numel() == 0
                          ? nullptr
                          : fp32_vector(w[kQkvBias], qkv_width, "qkv_proj bias");
-    layer.o = q4_weight(w + kOWeight, hidden_size, H * D, "o_proj");
+    layer.o = projection(w + kOWeight, hidden_size, H * D, "o_proj");
     layer.post_norm = fp32_vector(w[kPostNorm], hidden_size, "post_attention_norm");
-    layer.gate_up = q4_weight(w + kGateUpWeight, 2 * intermediate, hidden_size, "gate_up_proj");
-    layer.down = q4_weight(w + kDownWeight, hidden_size, intermediate, "down_proj");
+    layer.gate_up = projection(w + kGateUpWeight, 2 * intermediate, hidden_size, "gate_up_proj");
+    layer.down = projection(w + kDownWeight, hidden_size, intermediate, "down_proj");
     layer.kv = nullptr;
     layer.kv_int8 = nullptr;
     layer.kv_scales = nullptr;
@@ -256,19 +297,19 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
   a.q.resize(T * max_k);
   a.d.resize(T * (max_k / 64));  // group sizes are multiples of 64
   a.qsum.resize(T * (max_k / 64));
+  std::vector<float> rows(T * max_k);  // a dense projection's fp32 input
   const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
 
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& layer = layers[l];
     // The previous layer's down output joins the residual stream here (none before layer 0).
     const float* previous = l == 0 ? nullptr : branch.data();
-    quantize_rows(T, layer.qkv, a, [&](int64_t t, float* buf) {
+    project(T, layer.qkv, a, rows, [&](int64_t t, float* buf) {
       add_rmsnorm(residual.data() + t * hidden_size,
                   previous ? previous + t * hidden_size : nullptr, layer.input_norm,
                   hidden_size, feps, buf);
       return buf;
-    });
-    modelship::q4_matmul(a, layer.qkv, T, qkv.data());  // [T, (H + 2 KVH) D]
+    }, qkv.data());  // [T, (H + 2 KVH) D]
     if (layer.qkv_bias != nullptr) {
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv.data() + t * qkv_width;
@@ -277,20 +318,18 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
     }
     attend(layer, qkv.data(), step, cos.data_ptr<float>(), sin.data_ptr<float>(), H, KVH, D,
            fscale, q.data(), attn.data());
-    quantize_rows(T, layer.o, a, [&](int64_t t, float*) { return attn.data() + t * H * D; });
-    modelship::q4_matmul(a, layer.o, T, branch.data());  // [T, hidden]
-    quantize_rows(T, layer.gate_up, a, [&](int64_t t, float* buf) {
+    project(T, layer.o, a, rows, [&](int64_t t, float*) { return attn.data() + t * H * D; },
+            branch.data());  // [T, hidden]
+    project(T, layer.gate_up, a, rows, [&](int64_t t, float* buf) {
       add_rmsnorm(residual.data() + t * hidden_size, branch.data() + t * hidden_size,
                   layer.post_norm, hidden_size, feps, buf);
       return buf;
-    });
-    modelship::q4_matmul(a, layer.gate_up, T, gate_up.data());  // [T, 2 I]: gate | up
-    quantize_rows(T, layer.down, a, [&](int64_t t, float* buf) {
+    }, gate_up.data());  // [T, 2 I]: gate | up
+    project(T, layer.down, a, rows, [&](int64_t t, float* buf) {
       const float* row = gate_up.data() + t * 2 * intermediate;
       silu_mul(row, row + intermediate, intermediate, buf);
       return buf;
-    });
-    modelship::q4_matmul(a, layer.down, T, branch.data());  // [T, hidden]
+    }, branch.data());  // [T, hidden]
   }
 
   const bool is_bf16 = hidden.scalar_type() == at::kBFloat16;

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelship.model import cpu_kernels
+
 TensorSource = Callable[[str], torch.Tensor]  # checkpoint name -> tensor (raises if missing)
 
 
@@ -35,6 +37,7 @@ class QuantizationMethod(Protocol):
         ...
 
 
+# Torch's path, where modelship's CPU kernels are unavailable (see `dense_linear`).
 # Measured on a 2-core AVX2 CPU (no native bf16), [n, 576] x [576, 3072]: bf16 matmul costs
 # grow linearly with n (0.23 ms at n=1, 1.7 ms at 8, 14 ms at 64, 108 ms at 512) while
 # upcasting the weight and running fp32 costs 0.43, 0.91, 2.5, 11.5 ms in isolation. Inside
@@ -60,8 +63,20 @@ def dense_linear(
     upcast_rows: int | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [n, out] in out_dtype (default: x's dtype)
-    """x W^T (+ b); with `upcast_rows` set and n >= it, computed in fp32 (see above)."""
+    """x W^T (+ b). On a CPU with modelship's kernels, `cpu_kernels.dense_linear`: fp32
+    accumulation, each row reduced in one order whatever the number of rows (torch's bf16
+    and fp32 CPU matmuls change order and path with it, and greedy tokens with the batch).
+    Elsewhere torch's; with `upcast_rows` set and n >= it, computed in fp32 (see above)."""
     out_dtype = out_dtype or x.dtype
+    kernel_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    if (
+        x.device.type == "cpu"
+        and weight.dtype in kernel_dtypes
+        and weight.is_contiguous()
+        and (cpu_kernels.load())
+    ):
+        y = cpu_kernels.dense_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], -1).to(out_dtype)
     if upcast_rows is None or x.shape[0] < upcast_rows:
         return F.linear(x, weight, bias).to(out_dtype)
     x32 = x.float()

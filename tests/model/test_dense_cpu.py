@@ -10,17 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
-from modelship.model.config import ModelConfig
-from modelship.model.layers import RMSNorm
+from demo_shaped import demo_shaped_model, ids, run
+from modelship.model import cpu_kernels, load_model
 from modelship.model.llama import LlamaForCausalLM
 from modelship.model.quant.base import DenseLinear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
 
 WEIGHT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-BLOCK = 16
-VOCAB = 256
 
 
 def random(*shape: int, seed: int) -> torch.Tensor:
@@ -56,85 +53,21 @@ def test_dense_linear_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> Non
         assert torch.equal(rows, batched[start : start + size])
 
 
+def random_dense(
+    out_features: int, in_features: int, gen: torch.Generator, bias: bool, dtype: torch.dtype
+) -> nn.Module:
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = 0.1 * torch.randn(out_features, generator=gen) if bias else None
+    return DenseLinear(weight.to(dtype), None if b is None else b.to(dtype))
+
+
 def dense_demo_shaped_model(num_layers: int, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
-    """SmolLM2-135M's layer shapes (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536) with
-    random dense weights, a q/k/v bias, everything in `dtype`."""
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=num_layers,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        qk_norm=False,
-        checkpoint_dtype=dtype,
-        eos_token_ids=(0,),
-        quantization_config=None,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    widths = {  # output width, input width of each checkpoint projection
-        "q_proj": (576, 576),
-        "k_proj": (192, 576),
-        "v_proj": (192, 576),
-        "o_proj": (576, 576),
-        "gate_proj": (1536, 576),
-        "up_proj": (1536, 576),
-        "down_proj": (576, 1536),
-    }
-
-    def linear(prefixes: list[str], bias: bool) -> nn.Module:
-        out_features = sum(widths[p.rsplit(".", 1)[1]][0] for p in prefixes)
-        in_features = widths[prefixes[0].rsplit(".", 1)[1]][1]
-        weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-        b = 0.1 * torch.randn(out_features, generator=gen) if bias else None
-        return DenseLinear(weight.to(dtype), None if b is None else b.to(dtype))
-
-    model = LlamaForCausalLM(config, linear, max_positions=256, device=torch.device("cpu"))
-    embed = torch.randn(VOCAB, 576, generator=gen).to(dtype)
-    model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            weight = 1 + 0.2 * torch.randn(module.size, generator=gen)
-            module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-            module.finish_loading()
-    return model
+    """The demo model's shapes with random dense weights, a q/k/v bias, all in `dtype`."""
+    return demo_shaped_model(random_dense, num_layers, qkv_bias=True, dtype=dtype, seed=seed)
 
 
-def run(model, steps, fused: bool) -> list[torch.Tensor]:
-    """steps[s] = [(block table, token ids, start position)]: each step's final hidden
-    states [num_tokens, hidden]."""
-    if fused:
-        assert model.use_fused_decoder()
-    else:
-        model.fused_decoder = None
-    caches = allocate_kv_cache(model.config, 32, BLOCK, torch.float32, "cpu")
-    outputs = []
-    for step in steps:
-        ids = torch.cat([s[1] for s in step])
-        positions = torch.cat([torch.arange(s[2], s[2] + len(s[1])) for s in step])
-        meta = AttentionMetadata.build(
-            [len(s[1]) for s in step],
-            [s[2] + len(s[1]) for s in step],
-            [s[0] for s in step],
-            BLOCK,
-            "cpu",
-            "cpu",
-        )
-        with torch.inference_mode():
-            outputs.append(model(ids, positions, caches, meta))
-    return outputs
-
-
-def ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+def hidden_states(model, steps, fused: bool) -> list[torch.Tensor]:
+    return run(model, steps, fused)[0]
 
 
 A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)
@@ -149,16 +82,16 @@ MIXED_STEPS = [  # prefill; a decode, a whole prompt and a chunk; then decodes
 def test_fused_dense_layers_match_the_per_layer_path() -> None:
     # fp32 everywhere: both paths run the same matmul kernel; only the glue's fp32 sums differ
     model = dense_demo_shaped_model(num_layers=3, dtype=torch.float32)
-    expected = run(model, MIXED_STEPS, fused=False)
-    actual = run(model, MIXED_STEPS, fused=True)
+    expected = hidden_states(model, MIXED_STEPS, fused=False)
+    actual = hidden_states(model, MIXED_STEPS, fused=True)
     for e, a in zip(expected, actual, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_dense_rows_do_not_depend_on_batch_or_chunks() -> None:
     model = dense_demo_shaped_model(num_layers=2, dtype=torch.bfloat16)
-    alone = run(model, [[(TABLE_A, A[:33], 0)]], fused=True)[0]
-    chunked = run(  # 7-token chunks next to other requests, then a decode
+    alone = hidden_states(model, [[(TABLE_A, A[:33], 0)]], fused=True)[0]
+    chunked = hidden_states(  # 7-token chunks next to other requests, then a decode
         model,
         [
             [(TABLE_A, A[:7], 0), (TABLE_B, B[:9], 0)],
@@ -185,7 +118,7 @@ def test_dense_checkpoint_logits_as_close_as_eager_bf16(tiny_llama_dir: Path) ->
     prompt = ids(45, 6) % model.config.vocab_size
     steps = [[([0, 1, 2], prompt[:40], 0)], [([0, 1, 2], prompt[40:], 40)]]
     with torch.inference_mode():
-        ours = torch.cat([model.compute_logits(h) for h in run(model, steps, fused=True)])
+        ours = torch.cat([model.compute_logits(h) for h in hidden_states(model, steps, fused=True)])
         reference = {}
         for dtype in (torch.float32, torch.bfloat16):
             hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype)

@@ -8,104 +8,35 @@ import pytest
 import torch
 from torch import nn
 
-from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
-from modelship.model.config import ModelConfig
-from modelship.model.layers import RMSNorm
+import demo_shaped
+from demo_shaped import ids, run
+from modelship.model import cpu_kernels, load_model
 from modelship.model.llama import LlamaForCausalLM
 from modelship.model.quant.int4 import W4A8Linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
 
-BLOCK = 16
-VOCAB = 512
+
+def random_int4(
+    out_features: int, in_features: int, gen: torch.Generator, bias: bool, dtype: torch.dtype
+) -> nn.Module:
+    """Random int4 weights at group size 64, of about unit gain."""
+    groups = in_features // 64
+    u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+    # std(u - 8) ~ 4.6
+    scale = (torch.rand(out_features, groups, generator=gen) + 0.5) / (4.6 * in_features**0.5)
+    zero_point = torch.randint(-2, 3, (out_features, groups), generator=gen, dtype=torch.int32)
+    b = 0.1 * torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    return W4A8Linear.from_unpacked(u, scale, zero_point, 64, b)
 
 
 def demo_shaped_model(
     num_layers: int = 2, qkv_bias: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> LlamaForCausalLM:
-    """SmolLM2-135M's layer shapes (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536) with
-    random int4 weights at group size 64, norms and embeddings in `dtype`."""
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=num_layers,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        qkv_bias=qkv_bias,
-        qk_norm=False,
-        checkpoint_dtype=dtype,
-        eos_token_ids=(0,),
-        quantization_config=None,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    widths = {  # output width, input width of each checkpoint projection
-        "q_proj": (576, 576),
-        "k_proj": (192, 576),
-        "v_proj": (192, 576),
-        "o_proj": (576, 576),
-        "gate_proj": (1536, 576),
-        "up_proj": (1536, 576),
-        "down_proj": (576, 1536),
-    }
-
-    def linear(prefixes: list[str], bias: bool) -> nn.Module:
-        out_features = sum(widths[p.rsplit(".", 1)[1]][0] for p in prefixes)
-        in_features = widths[prefixes[0].rsplit(".", 1)[1]][1]
-        groups = in_features // 64
-        u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
-        # weights of about unit gain: std(u - 8) ~ 4.6
-        scale = (torch.rand(out_features, groups, generator=gen) + 0.5) / (4.6 * in_features**0.5)
-        zero_point = torch.randint(-2, 3, (out_features, groups), generator=gen, dtype=torch.int32)
-        b = 0.1 * torch.randn(out_features, generator=gen).to(dtype) if bias else None
-        return W4A8Linear.from_unpacked(u, scale, zero_point, 64, b)
-
-    model = LlamaForCausalLM(config, linear, max_positions=256, device=torch.device("cpu"))
-    embed = torch.randn(VOCAB, 576, generator=gen).to(dtype)
-    model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            weight = 1 + 0.2 * torch.randn(module.size, generator=gen)
-            module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-            module.finish_loading()
+    """The demo model's shapes with random int4 projections and the int8 output head."""
+    model = demo_shaped.demo_shaped_model(random_int4, num_layers, qkv_bias, dtype, seed)
     model.use_int8_head()
     return model
-
-
-def run(model, steps, fused: bool, num_blocks: int = 32) -> tuple[list[torch.Tensor], list]:
-    """steps[s] = [(block table, token ids, start position)]: each step's final hidden
-    states [num_tokens, hidden], and the KV caches afterwards."""
-    if fused:
-        assert model.use_fused_decoder()
-    else:
-        model.fused_decoder = None
-    caches = allocate_kv_cache(model.config, num_blocks, BLOCK, torch.float32, "cpu")
-    outputs = []
-    for step in steps:
-        ids = torch.cat([s[1] for s in step])
-        positions = torch.cat([torch.arange(s[2], s[2] + len(s[1])) for s in step])
-        meta = AttentionMetadata.build(
-            [len(s[1]) for s in step],
-            [s[2] + len(s[1]) for s in step],
-            [s[0] for s in step],
-            BLOCK,
-            "cpu",
-            "cpu",
-        )
-        with torch.inference_mode():
-            outputs.append(model(ids, positions, caches, meta))
-    return outputs, caches
-
-
-def ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)

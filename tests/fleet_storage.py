@@ -35,3 +35,17 @@ def publish_variant(storage: Storage, slug: str, model_dir: Path, variant: str) 
     artifact = storage.variant_dir(slug, variant)
     _publish(storage, artifact, "optimized", model_dir, variant)
     return artifact
+
+
+def placeholder_releases(root: Path, slug: str) -> Storage:
+    """Storage under `root` with release 1 (fp16, production) and release 2 (gptq) of
+    placeholder weights (a config.json only): for tests of the release plan, where no
+    replica loads them."""
+    storage = Storage(root / "storage")
+    weights = root / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text("{}")
+    publish_release(storage, slug, weights, "fp16")
+    publish_release(storage, slug, weights, "gptq")
+    storage.set_production(slug, 1)
+    return storage

@@ -21,7 +21,7 @@ from modelship.release.traffic import read_traffic
 from modelship.storage import Storage
 from vllm_stand_in import VllmStandIn
 
-from fleet_storage import publish_release
+from fleet_storage import placeholder_releases
 
 SLUG = "tiny"
 pytestmark = pytest.mark.timeout(180)
@@ -59,13 +59,7 @@ def started(
     """Storage with production release 1 and release 2; a stable and a canary stand-in
     (`canary_args`: its flags); two gateways following the plan, each with `gateway` as
     its config and a folder of its own."""
-    storage = Storage(tmp_path / "storage")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    (weights / "config.json").write_text("{}")
-    publish_release(storage, SLUG, weights, "fp16")
-    publish_release(storage, SLUG, weights, "gptq")
-    storage.set_production(SLUG, 1)
+    storage = placeholder_releases(tmp_path, SLUG)
     stable, canary = VllmStandIn(), VllmStandIn(*canary_args)
     gateways = []
     try:

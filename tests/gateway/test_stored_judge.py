@@ -19,7 +19,7 @@ from modelship.gateway.config import CanaryJudgeConfig
 from modelship.release.traffic import read_traffic, start_canary
 from modelship.storage import Storage
 
-from fleet_storage import publish_release
+from fleet_storage import placeholder_releases
 
 SLUG = "tiny"
 NOW = 1_800_000_000.0
@@ -27,13 +27,7 @@ CONFIG = CanaryJudgeConfig(min_requests=4, window_s=600)
 
 
 def storage_with_canary(tmp_path: Path) -> Storage:
-    storage = Storage(tmp_path / "storage")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    (weights / "config.json").write_text("{}")
-    publish_release(storage, SLUG, weights, "fp16")
-    publish_release(storage, SLUG, weights, "gptq")
-    storage.set_production(SLUG, 1)
+    storage = placeholder_releases(tmp_path, SLUG)
     start_canary(storage, SLUG, 2, 50)
     return storage
 

@@ -17,9 +17,8 @@ from modelship.release.traffic import (
     start_canary,
     traffic_path,
 )
-from modelship.storage import Storage
 
-from fleet_storage import publish_release
+from fleet_storage import placeholder_releases
 
 SLUG = "tiny"
 
@@ -40,13 +39,7 @@ def test_the_weight_under_each_plan() -> None:
 
 
 def test_the_follower_applies_what_the_release_commands_wrote(tmp_path: Path) -> None:
-    storage = Storage(tmp_path / "storage")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    (weights / "config.json").write_text("{}")
-    publish_release(storage, SLUG, weights, "fp16")
-    publish_release(storage, SLUG, weights, "gptq")
-    storage.set_production(SLUG, 1)
+    storage = placeholder_releases(tmp_path, SLUG)
     seen: list[int] = []
     follower = PlanFollower(storage, SLUG, lambda p, prod: seen.append(
         standalone_canary_weight(p, prod)))  # fmt: skip

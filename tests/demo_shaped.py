@@ -103,3 +103,34 @@ def run(model, steps, fused: bool, num_blocks: int = 32) -> tuple[list[torch.Ten
 
 def ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)
+TABLE_A, TABLE_B, TABLE_C = [3, 0, 7], [1, 4], [9]
+# prefill, then a mixed step (a decode, a whole prompt, a prefill chunk), then decodes
+MIXED_STEPS = [
+    [(TABLE_A, A[:30], 0)],
+    [(TABLE_A, A[30:31], 30), (TABLE_C, C, 0), (TABLE_B, B[:17], 0)],
+    [(TABLE_B, B[17:23], 17), (TABLE_A, A[31:32], 31), (TABLE_C, C[:1] + 1, 5)],
+    [(TABLE_A, A[32:33], 32), (TABLE_B, B[:1], 23)],
+]
+
+
+def request_a_alone_and_chunked(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request A's 33 rows through the fused path in one step alone, and again in 7-token
+    chunks next to other requests, then a decode: (alone, chunked), row for row."""
+    alone, _ = run(model, [[(TABLE_A, A[:33], 0)]], fused=True)
+    chunked, _ = run(
+        model,
+        [
+            [(TABLE_A, A[:7], 0), (TABLE_B, B[:9], 0)],
+            [(TABLE_C, C, 0), (TABLE_A, A[7:14], 7)],
+            [(TABLE_A, A[14:21], 14)],
+            [(TABLE_B, B[9:10], 9), (TABLE_A, A[21:28], 21)],
+            [(TABLE_A, A[28:32], 28), (TABLE_C, C[:1], 5)],
+            [(TABLE_A, A[32:33], 32)],
+        ],
+        fused=True,
+    )
+    rows = torch.cat([chunked[0][:7], chunked[1][5:], chunked[2], chunked[3][1:]])
+    return alone[0], torch.cat([rows, chunked[4][:4], chunked[5]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from demo_shaped import demo_shaped_model, ids, run
+from demo_shaped import MIXED_STEPS, demo_shaped_model, ids, request_a_alone_and_chunked, run
 from modelship.model import cpu_kernels, load_model
 from modelship.model.llama import LlamaForCausalLM
 from modelship.model.quant.base import DenseLinear
@@ -70,15 +70,6 @@ def hidden_states(model, steps, fused: bool) -> list[torch.Tensor]:
     return run(model, steps, fused)[0]
 
 
-A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)
-TABLE_A, TABLE_B, TABLE_C = [3, 0, 7], [1, 4], [9]
-MIXED_STEPS = [  # prefill; a decode, a whole prompt and a chunk; then decodes
-    [(TABLE_A, A[:30], 0)],
-    [(TABLE_A, A[30:31], 30), (TABLE_C, C, 0), (TABLE_B, B[:17], 0)],
-    [(TABLE_B, B[17:23], 17), (TABLE_A, A[31:32], 31), (TABLE_C, C[:1] + 1, 5)],
-]
-
-
 def test_fused_dense_layers_match_the_per_layer_path() -> None:
     # fp32 everywhere: both paths run the same matmul kernel; only the glue's fp32 sums differ
     model = dense_demo_shaped_model(num_layers=3, dtype=torch.float32)
@@ -90,22 +81,8 @@ def test_fused_dense_layers_match_the_per_layer_path() -> None:
 
 def test_fused_dense_rows_do_not_depend_on_batch_or_chunks() -> None:
     model = dense_demo_shaped_model(num_layers=2, dtype=torch.bfloat16)
-    alone = hidden_states(model, [[(TABLE_A, A[:33], 0)]], fused=True)[0]
-    chunked = hidden_states(  # 7-token chunks next to other requests, then a decode
-        model,
-        [
-            [(TABLE_A, A[:7], 0), (TABLE_B, B[:9], 0)],
-            [(TABLE_C, C, 0), (TABLE_A, A[7:14], 7)],
-            [(TABLE_A, A[14:21], 14)],
-            [(TABLE_B, B[9:10], 9), (TABLE_A, A[21:28], 21)],
-            [(TABLE_A, A[28:32], 28), (TABLE_C, C[:1], 5)],
-            [(TABLE_A, A[32:33], 32)],
-        ],
-        fused=True,
-    )
-    rows = torch.cat([chunked[0][:7], chunked[1][5:], chunked[2], chunked[3][1:]])
-    rows = torch.cat([rows, chunked[4][:4], chunked[5]])
-    assert torch.equal(rows, alone)
+    alone, chunked = request_a_alone_and_chunked(model)
+    assert torch.equal(chunked, alone)
 
 
 def test_dense_checkpoint_logits_as_close_as_eager_bf16(tiny_llama_dir: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import demo_shaped
-from demo_shaped import ids, run
+from demo_shaped import MIXED_STEPS, request_a_alone_and_chunked, run
 from modelship.model import cpu_kernels, load_model
 from modelship.model.llama import LlamaForCausalLM
 from modelship.model.quant.int4 import W4A8Linear
@@ -37,17 +37,6 @@ def demo_shaped_model(
     model = demo_shaped.demo_shaped_model(random_int4, num_layers, qkv_bias, dtype, seed)
     model.use_int8_head()
     return model
-
-
-A, B, C = ids(40, 1), ids(23, 2), ids(5, 3)
-TABLE_A, TABLE_B, TABLE_C = [3, 0, 7], [1, 4], [9]
-# prefill, then a mixed step (a decode, a whole prompt, a prefill chunk), then decodes
-MIXED_STEPS = [
-    [(TABLE_A, A[:30], 0)],
-    [(TABLE_A, A[30:31], 30), (TABLE_C, C, 0), (TABLE_B, B[:17], 0)],
-    [(TABLE_B, B[17:23], 17), (TABLE_A, A[31:32], 31), (TABLE_C, C[:1] + 1, 5)],
-    [(TABLE_A, A[32:33], 32), (TABLE_B, B[:1], 23)],
-]
 
 
 def row_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
@@ -102,22 +91,8 @@ def test_fused_bf16_model_is_as_close_to_fp32_as_the_unfused_path() -> None:
 
 def test_fused_rows_do_not_depend_on_batch_or_chunks() -> None:
     model = demo_shaped_model(num_layers=2, dtype=torch.bfloat16)
-    alone, _ = run(model, [[(TABLE_A, A[:33], 0)]], fused=True)
-    chunked, _ = run(  # 7-token chunks next to other requests, then a decode
-        model,
-        [
-            [(TABLE_A, A[:7], 0), (TABLE_B, B[:9], 0)],
-            [(TABLE_C, C, 0), (TABLE_A, A[7:14], 7)],
-            [(TABLE_A, A[14:21], 14)],
-            [(TABLE_B, B[9:10], 9), (TABLE_A, A[21:28], 21)],
-            [(TABLE_A, A[28:32], 28), (TABLE_C, C[:1], 5)],
-            [(TABLE_A, A[32:33], 32)],
-        ],
-        fused=True,
-    )
-    rows = torch.cat([chunked[0][:7], chunked[1][5:], chunked[2], chunked[3][1:]])
-    rows = torch.cat([rows, chunked[4][:4], chunked[5]])
-    assert torch.equal(rows, alone[0])
+    alone, chunked = request_a_alone_and_chunked(model)
+    assert torch.equal(chunked, alone)
 
 
 def test_demo_checkpoint_fused_close_to_unfused(demo_int4_dir: Path) -> None:

@@ -36,3 +36,21 @@ def run(model, steps, block_table, backend):
         with torch.no_grad():
             outputs.append(model.compute_logits(model(ids, positions, caches, meta)))
     return torch.cat(outputs)
+
+
+def engine_prefill_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
+    """Every position's logits of `prompts` as one prefill batch through an engine's model
+    and KV cache (blocks from 0 on: scratch), the way tensor- and expert-parallel tests
+    compare one rank with several."""
+    block = engine.config.block_size
+    tables, lens, next_block = [], [len(p) for p in prompts], 0
+    for length in lens:
+        count = -(-length // block)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    meta = AttentionMetadata.build(lens, lens, tables, block, torch.device("cpu"),
+                                   engine.runner.attention_backend)  # fmt: skip
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.inference_mode():
+        return engine.model.compute_logits(engine.model(ids, positions, engine.kv_caches, meta))

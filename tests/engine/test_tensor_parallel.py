@@ -18,9 +18,9 @@ from modelship import SamplingParams
 from modelship.engine.config import EngineConfig
 from modelship.engine.llm_engine import LLMEngine
 from modelship.engine.tensor_parallel import TensorParallelError
-from modelship.model.attention import AttentionMetadata
 from modelship.model.config import ModelConfig
 from modelship.model.tensor_parallel import ShardSpec
+from paged_model import engine_prefill_logits
 
 from server_process import ServerProcess
 from tiny_models import make_tiny_llama
@@ -45,21 +45,6 @@ def engines(uneven_dir: Path):
     two.close()
 
 
-def logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
-    """Every position's logits of `prompts` as one prefill batch (blocks from 0: scratch)."""
-    tables, lens, next_block = [], [len(p) for p in prompts], 0
-    for length in lens:
-        count = -(-length // 4)
-        tables.append(list(range(next_block, next_block + count)))
-        next_block += count
-    meta = AttentionMetadata.build(lens, lens, tables, 4, torch.device("cpu"),
-                                   engine.runner.attention_backend)  # fmt: skip
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.tensor([i for p in prompts for i in range(len(p))])
-    with torch.inference_mode():
-        return engine.model.compute_logits(engine.model(ids, positions, engine.kv_caches, meta))
-
-
 def test_shards_split_by_whole_kv_head_groups(uneven_dir: Path) -> None:
     full = ModelConfig.from_dir(uneven_dir)
     shards = [ShardSpec(full, rank, 2) for rank in range(2)]
@@ -75,7 +60,7 @@ def test_shards_split_by_whole_kv_head_groups(uneven_dir: Path) -> None:
 def test_logits_equal_one_rank(engines) -> None:
     one, two = engines
     prompts = [list(range(3, 30)), list(range(40, 47))]
-    expected, got = logits(one, prompts), logits(two, prompts)
+    expected, got = engine_prefill_logits(one, prompts), engine_prefill_logits(two, prompts)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

@@ -15,9 +15,9 @@ from test_moe import save_tiny_moe
 from modelship import SamplingParams
 from modelship.engine.config import EngineConfig
 from modelship.engine.llm_engine import LLMEngine
-from modelship.model.attention import AttentionMetadata
 from modelship.model.config import ModelConfig
 from modelship.model.tensor_parallel import ShardSpec
+from paged_model import engine_prefill_logits
 
 from server_process import ServerProcess
 
@@ -36,21 +36,6 @@ def engines(request, tmp_path_factory: pytest.TempPathFactory):
     two = LLMEngine(folder, EngineConfig(**CONFIG, tensor_parallel_size=2, expert_parallel=True))
     yield folder, one, two
     two.close()
-
-
-def logits(engine: LLMEngine, prompts: list[list[int]]) -> torch.Tensor:
-    """Every position's logits of `prompts` as one prefill batch."""
-    tables, lens, next_block = [], [len(p) for p in prompts], 0
-    for length in lens:
-        count = -(-length // 4)
-        tables.append(list(range(next_block, next_block + count)))
-        next_block += count
-    meta = AttentionMetadata.build(lens, lens, tables, 4, torch.device("cpu"),
-                                   engine.runner.attention_backend)  # fmt: skip
-    ids = torch.tensor([t for p in prompts for t in p])
-    positions = torch.tensor([i for p in prompts for i in range(len(p))])
-    with torch.inference_mode():
-        return engine.model.compute_logits(engine.model(ids, positions, engine.kv_caches, meta))
 
 
 def test_shards_deal_whole_experts(tmp_path: Path) -> None:
@@ -83,7 +68,7 @@ def test_logits_and_greedy_tokens_equal_one_rank(engines) -> None:
     routed = [layer.mlp.inner for layer in two.model.inner.layers if hasattr(layer.mlp, "inner")]
     assert routed and all(len(mlp.experts) == 3 for mlp in routed)  # half of the 6 each
     prompts = [list(range(3, 30)), list(range(40, 47))]
-    expected, got = logits(one, prompts), logits(two, prompts)
+    expected, got = engine_prefill_logits(one, prompts), engine_prefill_logits(two, prompts)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine
+from modelship.model.config import ModelConfig
+from modelship.model.kv_cache import kv_cache_bytes_per_block
+from modelship.model.loader import resolve_dtype
 from modelship.pipeline.select.benchmark_data import ChoiceItem
 from modelship.pipeline.select.multiple_choice import score_choices
 from modelship.pipeline.select.tool_use import ToolTask, score_tool_calls
@@ -56,14 +59,25 @@ def load_tasks(path: Path = TASKS_PATH) -> list[TaskItem]:
     return items
 
 
+def scoring_cache_bytes(model_dir: Path, config: EngineConfig) -> int:
+    """KV-cache bytes for scoring: at least 64 MiB, and always one whole sequence of
+    `config.max_model_len` (scoring uses the cache as scratch, one sequence at a time at
+    worst). A fixed 64 MiB held only 1,456 tokens of the demo model's 30 layers in the
+    CPU's float32 cache, under the 2,048 the engine requires."""
+    model_config = ModelConfig.from_dir(model_dir)
+    cache_dtype = config.cache_dtype(resolve_dtype(model_config, config.torch_device, config.dtype))
+    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, cache_dtype)
+    blocks = -(-config.max_model_len // config.block_size)
+    return max(64 * 1024**2, blocks * block_bytes)
+
+
 class Scorer:
     """A variant loaded in our engine, scoring token sequences with no sampling."""
 
     def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
-        self.engine = LLMEngine(
-            model_dir,
-            EngineConfig(max_model_len=max_model_len, kv_cache_memory_bytes=64 * 1024**2),
-        )
+        config = EngineConfig(max_model_len=max_model_len)
+        cache_bytes = scoring_cache_bytes(model_dir, config)
+        self.engine = LLMEngine(model_dir, replace(config, kv_cache_memory_bytes=cache_bytes))
         self.tokenizer = self.engine.tokenizer
 
     def weight_bytes(self) -> int:

@@ -1,9 +1,9 @@
 """`modelship gateway` finding its replicas in the Kubernetes API (`gateway/discovery.py`):
 real `modelship serve` processes as the pods of a headless Service, whose EndpointSlices a
-stand-in API server (`kube_stand_in.py`) lists and watches. The gateway routes to a pod
-once its slice says ready, stops routing to one that leaves or turns not-ready, survives a
-dropped watch and a 410, and fails a stream over from a killed pod (the twin of
-`test_failover.py`'s, which runs under `modelship up`), and retries the requests of a
+stand-in API server (`benchmarks/kube_stand_in.py`) lists and watches. The gateway routes
+to a pod once its slice says ready, stops routing to one that leaves or turns not-ready,
+survives a dropped watch and a 410, and fails a stream over from a killed pod (the twin
+of `test_failover.py`'s, which runs under `modelship up`), and retries the requests of a
 killed pod its slice still lists (the kill in `test_fleet.py`'s scale test)."""
 
 from __future__ import annotations

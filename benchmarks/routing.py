@@ -1,22 +1,32 @@
 """Routing benchmark: multi-turn chat over a fleet, round_robin vs least_outstanding_tokens
-vs prefix_affinity, plus the gateway's own overhead.
+vs prefix_affinity, plus the gateway's own overhead; under `modelship up` and, with
+`--fleets up discovery`, side by side through the standalone gateway finding its replicas
+in the Kubernetes API.
 
     .venv/bin/python benchmarks/routing.py [--replicas 2] [--conversations 24] [--turns 4]
-        [--policies round_robin prefix_affinity]
+        [--policies round_robin prefix_affinity] [--fleets up discovery]
 
-For each policy a fresh `modelship up` (min = max = --replicas replicas of the production
-release of the demo model, so no policy inherits another's KV caches; the drift probe off,
-as its requests bypass routing) serves the same seeded workload: --conversations chats
-sharing one system prompt, --concurrency of them at a time, each turn resending the whole
-history (the real previous answers included) as a streaming chat request. Reported per
-policy: prefix-cache hit rate (cached prompt tokens / prompt tokens, from the replicas'
-/metrics) next to its ceiling (perfect affinity on the same prompts and answers:
-`ceiling_hit_rate`), TTFT p50/p95 (first content chunk), output tok/s, requests/s, and load
-imbalance (mean over 100 ms samples, taken while any request runs, of max/mean of running +
-waiting across replicas; `imbalance_busy` in the JSON counts only the samples taken while
-all --concurrency requests run, `load_samples` holds every sample). Then the gateway's
-overhead: the same 1-token request sent alternately to a replica (each in turn) and
-through the gateway. Prints a table and writes JSON (default benchmarks/results/routing.json).
+For each policy and fleet a fresh fleet of --replicas replicas of the production release
+of the demo model (so no run inherits another's KV caches) serves the same seeded
+workload. The fleets: `up`, `modelship up` (min = max = --replicas; the drift probe off,
+as its requests bypass routing); `discovery`, `modelship gateway` with `gateway.discovery`
+pointed at a stand-in Kubernetes API server (`kube_stand_in.py`) in which each of
+--replicas `modelship serve` processes (started with the options `up` gives its own) is a
+ready pod of a headless Service, as the rendered gateway finds the engine pods. Both
+fleets use one API key (`serve.api_key`: the gateway's and the replicas'). The workload:
+--conversations chats sharing one system prompt, --concurrency of them at a time, each
+turn resending the whole history (the real previous answers included) as a streaming chat
+request. Reported per policy and fleet: prefix-cache hit rate (cached prompt tokens /
+prompt tokens, from the replicas' /metrics) next to its ceiling (perfect affinity on the
+same prompts and answers: `ceiling_hit_rate`), TTFT p50/p95 (first content chunk), output
+tok/s, requests/s, and load imbalance (mean over 100 ms samples, taken while any request
+runs, of max/mean of running + waiting across replicas; `imbalance_busy` in the JSON
+counts only the samples taken while all --concurrency requests run, `load_samples` holds
+every sample). Then the gateway's overhead: the same 1-token request sent alternately to a
+replica (each in turn) and through the gateway (on the last policy's fleet of each kind).
+Prints one table, the fleets' rows of each policy next to each other, and writes JSON
+(default benchmarks/results/routing.json: `runs[fleet][policy]`, `overhead[fleet]`,
+`targets`).
 """
 
 from __future__ import annotations
@@ -34,12 +44,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modelship.engine.options import EngineOptions
 from modelship.engine.tokenizer import load_tokenizer
+from modelship.gateway import hash_api_key
 from modelship.pipeline.acquire import DEMO_SLUG, acquire
 from modelship.storage import Storage
 from modelship.storage.store import link_tree
-from processes import UpFleet
+from processes import DiscoveryFleet, GatewayFleet, UpFleet
 
 POLICIES = ("round_robin", "least_outstanding_tokens", "prefix_affinity")
+FLEETS = ("up", "discovery")
+API_KEY = "sk-routing-benchmark"
 WORDS = [
     "cache",
     "block",
@@ -84,21 +97,29 @@ def ensure_release(storage: Storage) -> None:
     storage.set_production(DEMO_SLUG, 1)
 
 
-class Fleet(UpFleet):
-    """The demo model's production release on `replicas` replicas under `policy`."""
-
-    def __init__(self, storage: Storage, workdir: Path, policy: str, replicas: int) -> None:
-        self.replicas = replicas
-        release = storage.release_dir(DEMO_SLUG, storage.production_release(DEMO_SLUG))
-        self.tokenizer = load_tokenizer(release)  # the replicas' own
-        config = {
-            "serve": {"engine": {"max_model_len": 2048, "kv_cache_memory_mb": 256}},
+def start_fleet(
+    kind: str, storage: Storage, workdir: Path, policy: str, replicas: int
+) -> GatewayFleet:
+    """The demo model's production release on `replicas` replicas under `policy`, behind
+    `modelship up` (`kind` up) or the standalone gateway with discovery (`discovery`)."""
+    engine = {"max_model_len": 2048, "kv_cache_memory_mb": 256}
+    config = {
+        "serve": {"engine": engine, "api_key": API_KEY},
+        "gateway": {
+            "routing": {"policy": policy},
             # No drift probe: it asks every replica its golden prompts as soon as it is
             # ready, directly (no routing), i.e. during the workload: load no policy sees.
-            "gateway": {"routing": {"policy": policy}, "drift_probe": {"enabled": False}},
-            "autoscale": {"min_replicas": replicas, "max_replicas": replicas},
-        }
-        super().__init__(config, storage.root, DEMO_SLUG, workdir, policy)
+            "drift_probe": {"enabled": False},
+            "metrics_api_key_sha256": hash_api_key(API_KEY),  # the routing decisions
+        },
+        "autoscale": {"min_replicas": replicas, "max_replicas": replicas},
+    }
+    name = f"{kind}-{policy}"
+    if kind == "up":
+        return UpFleet(config, storage.root, DEMO_SLUG, workdir, name)
+    release = storage.production_release(DEMO_SLUG)
+    return DiscoveryFleet(config, storage.release_dir(DEMO_SLUG, release), DEMO_SLUG,
+                          workdir, name, replicas, str(release))  # fmt: skip
 
 
 def make_conversations(num: int, turns: int, seed: int) -> list[list[str]]:
@@ -125,7 +146,9 @@ async def chat_turn(client: httpx.AsyncClient, url: str, messages: list[dict], m
     return ttft if ttft is not None else time.perf_counter() - started, "".join(parts), len(parts)
 
 
-async def run_workload(fleet: Fleet, conversations, system: str, concurrency: int, max_tokens):
+async def run_workload(
+    fleet: GatewayFleet, tokenizer, conversations, system: str, concurrency: int, max_tokens
+):
     replica_urls = fleet.replica_urls()
     ttfts: list[float] = []
     num_chunks = 0
@@ -167,7 +190,7 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
 
     before = [fleet.metrics(url) for url in replica_urls]
     semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=fleet.headers) as client:
         sampler = asyncio.create_task(sample(client))
         started = time.perf_counter()
         await asyncio.gather(*(conversation(client, semaphore, t) for t in conversations))
@@ -190,7 +213,9 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
     ]
     decisions = {  # by reason: how often affinity held, and how often the load bound moved
         sample.labels.get("reason", ""): sample.value
-        for family in text_string_to_metric_families(httpx.get(f"{fleet.url}/metrics").text)
+        for family in text_string_to_metric_families(
+            httpx.get(f"{fleet.url}/metrics", headers=fleet.headers).text
+        )
         for sample in family.samples
         if sample.name == "modelship_gateway_routing_decisions_total"
     }
@@ -207,7 +232,7 @@ async def run_workload(fleet: Fleet, conversations, system: str, concurrency: in
         "seconds": seconds,
         "num_requests": len(ttfts),
         "routing_decisions": decisions,
-        "ceiling_hit_rate": ceiling_hit_rate(fleet.tokenizer, transcripts),
+        "ceiling_hit_rate": ceiling_hit_rate(tokenizer, transcripts),
     }
 
 
@@ -244,7 +269,7 @@ def ceiling_hit_rate(tokenizer, transcripts: list[list[dict]]) -> float:
     return cached / total if total else 0.0
 
 
-def gateway_overhead(fleet: Fleet, num: int) -> dict:
+def gateway_overhead(fleet: GatewayFleet, num: int) -> dict:
     """The direct requests take turns over every replica, as the gateway's do (an under-one-
     block prompt goes to the least loaded, ties rotating): a replica that was idle answers
     its next request later than a busy one does, which is not the gateway's doing."""
@@ -252,7 +277,7 @@ def gateway_overhead(fleet: Fleet, num: int) -> dict:
     body = {"model": DEMO_SLUG, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 1, "temperature": 0}  # fmt: skip
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=fleet.headers) as client:
         for i in range(num + 10):
             replica = replicas[i % len(replicas)]
             for name, url in (("direct", replica), ("gateway", fleet.url)):
@@ -279,53 +304,67 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                         help="the policies to run, in this order (the overhead is measured on "
                         "the last one's fleet)")  # fmt: skip
+    parser.add_argument("--fleets", nargs="+", choices=FLEETS, default=["up"],
+                        help="up: `modelship up`; discovery: the standalone gateway finding "
+                        "its replicas in a stand-in Kubernetes API. Each policy runs on each, "
+                        "in turn")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing.json"))
     args = parser.parse_args()
 
     storage = Storage(args.storage)
     ensure_release(storage)
+    release = storage.release_dir(DEMO_SLUG, storage.production_release(DEMO_SLUG))
+    tokenizer = load_tokenizer(release)  # the replicas' own
     workdir = args.out.parent / "routing-logs"
     workdir.mkdir(parents=True, exist_ok=True)
     system = "You are a concise assistant for an inference platform. " * 6
     conversations = make_conversations(args.conversations, args.turns, args.seed)
     results: dict = {"settings": vars(args) | {"storage": str(args.storage),
-                                              "out": str(args.out)}, "policies": {}}  # fmt: skip
+                                              "out": str(args.out)},
+                     "runs": {kind: {} for kind in args.fleets}, "overhead": {}}  # fmt: skip
     fleet = None
     try:
-        for policy in args.policies:
-            fleet = Fleet(storage, workdir, policy, args.replicas)
-            fleet.wait_ready(args.replicas)
-            print(f"{policy}: running {len(conversations) * args.turns} turns...", flush=True)
-            results["policies"][policy] = asyncio.run(
-                run_workload(fleet, conversations, system, args.concurrency, args.max_tokens)
-            )
-            if policy == args.policies[-1]:
-                results["overhead"] = gateway_overhead(fleet, args.overhead_requests)
-            fleet.stop()
-            fleet = None
+        for policy in args.policies:  # the fleets in turn: a load change hits both alike
+            for kind in args.fleets:
+                fleet = start_fleet(kind, storage, workdir, policy, args.replicas)
+                fleet.wait_ready(args.replicas)
+                turns = len(conversations) * args.turns
+                print(f"{kind} {policy}: running {turns} turns...", flush=True)
+                results["runs"][kind][policy] = asyncio.run(run_workload(
+                    fleet, tokenizer, conversations, system, args.concurrency, args.max_tokens
+                ))  # fmt: skip
+                if policy == args.policies[-1] and args.overhead_requests > 0:
+                    results["overhead"][kind] = gateway_overhead(fleet, args.overhead_requests)
+                fleet.stop()
+                fleet = None
     finally:
         if fleet is not None:
             fleet.stop()
 
-    print(f"\n{'policy':<26}{'hit rate':>9}{'ceiling':>9}{'TTFT p50':>10}{'TTFT p95':>10}"
-          f"{'tok/s':>8}{'req/s':>7}{'max/mean':>10}")  # fmt: skip
-    for policy, r in results["policies"].items():
-        print(f"{policy:<26}{r['hit_rate']:>9.1%}{r['ceiling_hit_rate']:>9.1%}"
-              f"{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p95_ms']:>8.0f}ms{r['output_tok_s']:>8.1f}"
-              f"{r['requests_s']:>7.2f}{r['imbalance']:>10.2f}")  # fmt: skip
-    o = results["overhead"]
-    print(f"\ngateway overhead: direct p50 {o['direct_p50_ms']:.2f} ms, through the gateway "
-          f"p50 {o['gateway_p50_ms']:.2f} ms: +{o['added_p50_ms']:.2f} ms")  # fmt: skip
-    rr, pa = results["policies"].get("round_robin"), results["policies"].get("prefix_affinity")
+    print(f"\n{'policy':<26}{'fleet':<11}{'hit rate':>9}{'ceiling':>9}{'TTFT p50':>10}"
+          f"{'TTFT p95':>10}{'tok/s':>8}{'req/s':>7}{'max/mean':>10}")  # fmt: skip
+    for policy in args.policies:
+        for kind in args.fleets:
+            r = results["runs"][kind][policy]
+            print(f"{policy:<26}{kind:<11}{r['hit_rate']:>9.1%}{r['ceiling_hit_rate']:>9.1%}"
+                  f"{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p95_ms']:>8.0f}ms{r['output_tok_s']:>8.1f}"
+                  f"{r['requests_s']:>7.2f}{r['imbalance']:>10.2f}")  # fmt: skip
+    for kind, o in results["overhead"].items():
+        print(f"\n{kind} gateway overhead: direct p50 {o['direct_p50_ms']:.2f} ms, through the "
+              f"gateway p50 {o['gateway_p50_ms']:.2f} ms: +{o['added_p50_ms']:.2f} ms")  # fmt: skip
     targets = {}
-    if rr is not None and pa is not None:
-        targets["hit rate >= 2x round_robin"] = pa["hit_rate"] >= 2 * rr["hit_rate"]
-        targets["TTFT p95 >= 1.5x lower than round_robin"] = (
-            rr["ttft_p95_ms"] >= 1.5 * pa["ttft_p95_ms"]
-        )
-    if pa is not None:
-        targets["prefix_affinity max/mean <= 1.3"] = pa["imbalance"] <= 1.3
-    targets["gateway adds <= 2 ms at p50"] = o["added_p50_ms"] <= 2.0
+    for kind, runs in results["runs"].items():
+        rr, pa = runs.get("round_robin"), runs.get("prefix_affinity")
+        if rr is not None and pa is not None:
+            targets[f"{kind}: hit rate >= 2x round_robin"] = pa["hit_rate"] >= 2 * rr["hit_rate"]
+            targets[f"{kind}: TTFT p95 >= 1.5x lower than round_robin"] = (
+                rr["ttft_p95_ms"] >= 1.5 * pa["ttft_p95_ms"]
+            )
+        if pa is not None:
+            targets[f"{kind}: prefix_affinity max/mean <= 1.3"] = pa["imbalance"] <= 1.3
+        if kind in results["overhead"]:
+            added = results["overhead"][kind]["added_p50_ms"]
+            targets[f"{kind}: gateway adds <= 2 ms at p50"] = added <= 2.0
     results["targets"] = targets
     for name, met in targets.items():
         print(f"  {'met ' if met else 'MISS'} {name}")

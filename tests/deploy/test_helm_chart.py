@@ -26,6 +26,9 @@ TIERS = {
         {"name": "bulk", "variant": "int4", "min_replicas": 2, "max_replicas": 5},
     ]
 }
+# A second model behind the gateway, scaled on its own (`models:`).
+MODELS = [{"name": "tiny-llama", "served_model_name": "tiny",
+           "autoscale": {"min_replicas": 2, "max_replicas": 5}}]  # fmt: skip
 CASES = {
     "cpu-hpa": lambda: config_for("deployment", "hpa"),
     "gpu-keda-canary": lambda: config_for("deployment", "keda", "gpu", canary=True),
@@ -37,6 +40,10 @@ CASES = {
     "cpu-hpa-tiers": lambda: config_for("deployment", "hpa", gateway=TIERS),
     "gpu-keda-canary-tiers": lambda: config_for("deployment", "keda", "gpu", True, gateway=TIERS),
     "vllm-hpa-tiers": lambda: config_for("deployment", "hpa", "vllm", gateway=TIERS),
+    "cpu-hpa-models": lambda: config_for("deployment", "hpa", models=MODELS),
+    "gpu-keda-canary-tiers-models": lambda: config_for(
+        "deployment", "keda", "gpu", True, gateway=TIERS, models=MODELS
+    ),
 }
 
 
@@ -153,6 +160,31 @@ def test_chart_renders_a_tier_as_deploy_render_does(
     assert discovered(charted) == discovered(expected) == (services, labels)
 
 
+def test_chart_renders_another_model_as_deploy_render_does(helm: Path, tmp_path: Path) -> None:
+    rendered = render(config_for("deployment", "hpa", models=MODELS))
+    assert rendered.helm_values is not None
+    assert rendered.helm_values["models"] == [{
+        "slug": "tiny-llama", "servedModelName": "tiny", "label": "tiny-llama",
+        "minReplicas": 2, "maxReplicas": 5,
+    }]  # fmt: skip
+    charted = helm_template(helm, rendered.helm_values, tmp_path)
+    name = f"{NAME}-tiny-llama-engine"
+    container = one(charted, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["serve", "/data/models/tiny-llama/production"]
+    assert container["args"][container["args"].index("--served-model-name") + 1] == "tiny"
+    labels = one(charted, "Service", name)["metadata"]["labels"]
+    assert labels["modelship.io/model"] == "tiny-llama"  # the gateway routes "tiny" there
+    scaling = one(charted, "HorizontalPodAutoscaler", name)["spec"]
+    assert (scaling["minReplicas"], scaling["maxReplicas"]) == (2, 5)
+    assert one(charted, "PodDisruptionBudget", name)
+    gateway = one(charted, "Deployment", f"{NAME}-gateway")
+    env = {
+        e["name"]: e.get("value")
+        for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["MODELSHIP_GATEWAY_DISCOVER_SERVICES"] == f"{NAME}-engine,{name}"
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -166,6 +198,11 @@ def test_chart_renders_a_tier_as_deploy_render_does(
             "/tiers/0/name",
         ),
         ("tiers[0].name=economy,tiers[0].variant=gptq", "maxReplicas"),
+        (
+            "models[0].slug=tiny,models[0].servedModelName=tiny,models[0].label=Tiny_Llama,"
+            "models[0].minReplicas=1,models[0].maxReplicas=1",
+            "/models/0/label",
+        ),
     ],
 )
 def test_values_schema_rejects_bad_values(helm: Path, override: str, message: str) -> None:

@@ -1,9 +1,9 @@
 """`modelship gateway` finding its replicas in the Kubernetes API (`gateway/discovery.py`):
 real `modelship serve` processes as the pods of a headless Service, whose EndpointSlices a
-stand-in API server (`kube_stand_in.py`) lists and watches. The gateway routes to a pod
-once its slice says ready, stops routing to one that leaves or turns not-ready, survives a
-dropped watch and a 410, and fails a stream over from a killed pod (the twin of
-`test_failover.py`'s, which runs under `modelship up`), and retries the requests of a
+stand-in API server (`benchmarks/kube_stand_in.py`) lists and watches. The gateway routes
+to a pod once its slice says ready, stops routing to one that leaves or turns not-ready,
+survives a dropped watch and a 410, and fails a stream over from a killed pod (the twin
+of `test_failover.py`'s, which runs under `modelship up`), and retries the requests of a
 killed pod its slice still lists (the kill in `test_fleet.py`'s scale test)."""
 
 from __future__ import annotations
@@ -111,9 +111,12 @@ def test_the_gateway_routes_to_the_pods_its_slices_say_are_ready(
     put(kube, "pod-b", replicas[1], ready=False)  # starting: its slice says not ready
     gateway = start_gateway()
     assert {answered_by(gateway) for _ in range(4)} == {"pod-a"}
+    seen = {"model": "primary", "track": "stable", "tier": "primary"}
+    assert gateway.metric("modelship_gateway_discovered_endpoints", **seen) == 1
 
     put(kube, "pod-b", replicas[1])  # ready now
     wait_until_answered_only_by(gateway, {"pod-a", "pod-b"})
+    assert gateway.metric("modelship_gateway_discovered_endpoints", **seen) == 2
 
     kube.remove_pod(SERVICE, "pod-a")  # scaled in: its slice deleted
     wait_until_answered_only_by(gateway, {"pod-b"})
@@ -144,6 +147,10 @@ def test_discovery_survives_a_dropped_watch_and_a_410(
     kube.remove_pod(SERVICE, "pod-b")
     wait_until_answered_only_by(gateway, {"pod-a"})
     assert kube.num_lists == 2
+    # The gateway's own count of it, on its /metrics.
+    assert gateway.metric("modelship_gateway_discovery_lists_total") == 2
+    assert gateway.metric("modelship_gateway_discovery_watch_ends_total", reason="expired") == 1
+    assert gateway.metric("modelship_gateway_discovered_endpoints") == 1
 
 
 def _chat(gateway: GatewayProcess, **kwargs) -> tuple[str, openai.types.CompletionUsage]:

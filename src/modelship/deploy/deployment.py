@@ -184,7 +184,7 @@ def pods_metric(metric: str, average: int) -> Json:
     }
 
 
-def _scaled(ctx: RenderContext, tier: TierConfig | None) -> tuple[str, str, int, int]:
+def replica_bounds(ctx: RenderContext, tier: TierConfig | None = None) -> tuple[str, str, int, int]:
     """(name, component, min, max) of what an autoscaler scales: the stable engines or a
     tier's."""
     if tier is None:
@@ -203,7 +203,7 @@ def horizontal_autoscaler(ctx: RenderContext, tier: TierConfig | None = None) ->
     Two metrics, the larger proposal wins: in-flight requests per replica (the concurrency
     target) and queued requests per replica (the engine is saturated when these grow).
     """
-    name, component, min_replicas, max_replicas = _scaled(ctx, tier)
+    name, component, min_replicas, max_replicas = replica_bounds(ctx, tier)
     prefix = ctx.metric_prefix
     return {
         "apiVersion": "autoscaling/v2",
@@ -234,7 +234,7 @@ def concurrency_query(ctx: RenderContext, pod_prefix: str) -> str:
 
 def scaled_object(ctx: RenderContext, tier: TierConfig | None = None) -> Json:
     """KEDA: the same target, read from Prometheus directly (no metrics adapter needed)."""
-    name, component, min_replicas, max_replicas = _scaled(ctx, tier)
+    name, component, min_replicas, max_replicas = replica_bounds(ctx, tier)
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelship.deploy.config import GpuConfig, Resources
 from modelship.deploy.context import RenderContext
+from modelship.deploy.deployment import replica_bounds
 from modelship.deploy.pod import engine_flags
 
 if TYPE_CHECKING:  # deploy reads the gateway's section from the config, never imports it
@@ -40,6 +41,20 @@ def _tier(tier: TierConfig) -> Json:
         "variant": tier.variant,
         "minReplicas": tier.min_replicas,
         "maxReplicas": tier.max_replicas,
+    }
+
+
+def _model(ctx: RenderContext) -> Json:
+    """Another model behind the gateway (`models:`): its engines serve its production
+    release as <name>-<label>-engine, scaled between its own bounds."""
+    assert ctx.model is not None
+    _, _, low, high = replica_bounds(ctx)
+    return {
+        "slug": ctx.slug,
+        "servedModelName": ctx.served_model_name,
+        "label": ctx.model_label,
+        "minReplicas": low,
+        "maxReplicas": high,
     }
 
 
@@ -84,6 +99,7 @@ def helm_values(ctx: RenderContext) -> Json:
         if canary is None
         else {"release": canary.release, "weight": canary.weight, "replicas": canary.replicas},
         "tiers": [_tier(tier) for tier in ctx.config.gateway.variant_tiers],
+        "models": [_model(ctx.for_model(entry)) for entry in ctx.config.models],
         "gateway": {
             "replicas": serving.gateway.replicas,
             "port": serving.gateway.port,

@@ -136,6 +136,8 @@ class StandaloneGateway:
             access_log=config.log_format == "json",
             catalog=catalog,
         )
+        if self.discovery is not None:  # what it sees, on the public /metrics
+            self.service.metrics.fleet_registry.register(self.discovery)
         if usage_dir is not None:
             self.service.accounting.ledger = UsageLedger(usage_dir, writer_name())
         self.plan = None

@@ -67,6 +67,11 @@ class CanarySplit:
             self.record(Track.CANARY, ok=False, ttft_s=None, tenant=tenant)
         return Track.STABLE
 
+    def share_secret(self, secret: str) -> None:
+        """Split with `secret`, the one every gateway replica uses (`shared_decisions.py`),
+        instead of this process's own."""
+        self.secret = hashlib.sha256(secret.encode()).digest()
+
     def record(self, track: Track, ok: bool, ttft_s: float | None, tenant: str) -> None:
         """One request's result on `track`; a canary's may roll the canary back (here, or
         where `evidence` takes it)."""

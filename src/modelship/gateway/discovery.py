@@ -16,6 +16,15 @@ its slices; `deploy/deployment.py` renders them): `modelship.io/track` (stable o
 `modelship.io/variant` (else the one each replica's /ready names, as for `--endpoint`), and
 `modelship.io/model` (which model of several, `models.ModelCatalog.model_of_label`).
 
+What it sees is on the gateway's public /metrics (`collect`):
+`modelship_gateway_discovered_endpoints{model,track,tier}` (the ready endpoints of the
+slices, by the group their labels give; `model` is "primary" for the gateway's own),
+`modelship_gateway_discovery_lists_total` (the first list, then each relist) and
+`modelship_gateway_discovery_watch_ends_total{reason}` (`resumed`: the connection broke and
+the client resumed from the last version; `closed`: the watch ended without an error,
+relisted; `expired`: a 410, relisted; `failed`: any other failure, relisted after a
+backoff).
+
 An endpoint that appears is routed to at once (its slice says ready: the kubelet's
 readiness probe of /ready passed); one that turns not-ready or leaves every slice is
 drained, as the supervisor drains a replica: no new requests, removed from the pool once
@@ -36,6 +45,7 @@ from lightkube.core.exceptions import ApiError
 from lightkube.operators import in_
 from lightkube.resources.discovery_v1 import EndpointSlice
 from lightkube.types import OnErrorAction, OnErrorResult
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from modelship.gateway.canary import Track
 from modelship.gateway.config import DiscoveryConfig
@@ -134,6 +144,7 @@ class EndpointDiscovery:
         self.client = client or self._client(config)
         self.slices: dict[str, list[DiscoveredEndpoint]] = {}
         self.num_lists = 0  # lists done (the first, then one per relist)
+        self.watch_ends = {"resumed": 0, "closed": 0, "expired": 0, "failed": 0}  # by reason
         self._owned: set[str] = set()
         self._draining: dict[str, float] = {}  # endpoint id -> when its drain began
         self._tasks: list[asyncio.Task] = []
@@ -176,12 +187,15 @@ class EndpointDiscovery:
                     version = await self.relist()
                 await self.watch(version)
                 failures = 0  # the watch ended without error: relist at once
+                self.watch_ends["closed"] += 1
             except ApiError as exc:
+                self.watch_ends["expired" if exc.status.code == 410 else "failed"] += 1
                 if exc.status.code != 410:
                     failures += 1
                 logger.info("EndpointSlice watch ended (%s %s): relisting",
                             exc.status.code, exc.status.message)  # fmt: skip
             except Exception as exc:  # the API server unreachable, a bad line
+                self.watch_ends["failed"] += 1
                 failures += 1
                 logger.warning("EndpointSlice watch failed (%s): relisting", exc)
             version = None
@@ -203,7 +217,7 @@ class EndpointDiscovery:
         events = self.client.watch(
             EndpointSlice, namespace=self.config.namespace,
             labels={SERVICE_LABEL: in_(self.config.services)}, resource_version=version,
-            server_timeout=WATCH_TIMEOUT_S, on_error=_on_watch_error,
+            server_timeout=WATCH_TIMEOUT_S, on_error=self._on_watch_error,
         )  # fmt: skip
         async for kind, slice_ in events:
             name = slice_.metadata.name
@@ -256,15 +270,48 @@ class EndpointDiscovery:
                 self._owned.discard(endpoint_id)
                 del self._draining[endpoint_id]
 
+    # Metrics (a prometheus_client collector) -----------------------------------------------
+    def collect(self):
+        endpoints = GaugeMetricFamily(
+            "modelship_gateway_discovered_endpoints",
+            "Ready endpoints of the watched EndpointSlices, by the model, track and tier their "
+            "labels give (model primary: the gateway's own).",
+            labels=["model", "track", "tier"],
+        )
+        counts: dict[tuple[str, str, str], int] = {}
+        for found in (found for items in self.slices.values() for found in items):
+            key = (found.group.model or PRIMARY, str(found.group.track), found.group.tier)
+            counts[key] = counts.get(key, 0) + 1
+        for key, count in sorted(counts.items()):
+            endpoints.add_metric(list(key), count)
+        yield endpoints
+        lists = CounterMetricFamily(
+            "modelship_gateway_discovery_lists",
+            "EndpointSlice lists: the first, then one per relist (after a 410 or a failure).",
+        )
+        lists.add_metric([], self.num_lists)
+        yield lists
+        ends = CounterMetricFamily(
+            "modelship_gateway_discovery_watch_ends",
+            "EndpointSlice watches ended, by reason: resumed (a broken connection, resumed "
+            "from its version), closed (ended without error: relisted), expired (410: "
+            "relisted), failed (relisted after a backoff).",
+            labels=["reason"],
+        )
+        for reason, count in self.watch_ends.items():
+            ends.add_metric([reason], count)
+        yield ends
+
+    def _on_watch_error(self, exc: Exception, num_errors: int) -> OnErrorResult:
+        """A broken connection resumes from the last version seen (lightkube's retry); a
+        410 and repeated failures end the watch, and `run` relists."""
+        if (isinstance(exc, ApiError) or not isinstance(exc, httpx2.TransportError)
+                or num_errors > 3):  # fmt: skip
+            return OnErrorResult(OnErrorAction.RAISE)
+        self.watch_ends["resumed"] += 1
+        return OnErrorResult(OnErrorAction.RETRY, sleep=0.1 * 2**num_errors)
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             self.remove_drained()
-
-
-def _on_watch_error(exc: Exception, num_errors: int) -> OnErrorResult:
-    """A broken connection resumes from the last version seen (lightkube's retry); a 410
-    and repeated failures end the watch, and `run` relists."""
-    if isinstance(exc, ApiError) or not isinstance(exc, httpx2.TransportError) or num_errors > 3:
-        return OnErrorResult(OnErrorAction.RAISE)
-    return OnErrorResult(OnErrorAction.RETRY, sleep=0.1 * 2**num_errors)

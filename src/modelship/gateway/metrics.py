@@ -131,7 +131,9 @@ class GatewayMetrics:
             PREFIX + "state_failures",
             "Calls to the shared tenant quota store (gateway.state) that failed, by operation "
             "(admit: the request was refused or admitted unmetered per gateway.state_failure; "
-            "settle: its slots wait for their lease, its reservation is not refunded).",
+            "settle: its slots wait for their lease, its reservation is not refunded; secret: "
+            "the canary split's secret is this gateway's own; load: brown-out counts this "
+            "gateway's requests only).",
             ["operation"],
             registry=self.fleet_registry,
         )

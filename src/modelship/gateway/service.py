@@ -41,7 +41,7 @@ from modelship.gateway.request import (
 )
 from modelship.gateway.tenant_state import create_tenant_state
 from modelship.gateway.tenants import Tenant
-from modelship.gateway.tiers import PRIMARY, TierDecision, TierNeed, choose_tier
+from modelship.gateway.tiers import PRIMARY, TierDecision, TierLoad, TierNeed, choose_tier
 from modelship.request_id import REQUEST_ID_HEADER, request_id_from
 from modelship.tracing import Span, SpanKind, Tracing, client_links, end_span
 
@@ -94,6 +94,12 @@ class GatewayService:
         self.is_draining = False
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
+        self.shared = None  # with gateway.state: the other gateway replicas' decisions' inputs
+        if config.state is not None:
+            from modelship.gateway.shared_decisions import SharedDecisions  # client if used
+
+            self.shared = SharedDecisions(config.state, self.tier_in_flight,
+                                          self.metrics.state_failures)  # fmt: skip
 
     # Lifecycle ---------------------------------------------------------------------------
     async def start(self, health_checks: bool = True) -> None:
@@ -109,10 +115,19 @@ class GatewayService:
             # answered its first requests 503, its replicas not yet checked.
             await checker.check_all()
             self._health_task = asyncio.create_task(checker.run())
+        if self.shared is not None:
+            if self.config.canary.split_secret is None:
+                secret = await self.shared.split_secret()
+                if secret is not None:
+                    self.canary.share_secret(secret)
+            if self.config.tiers:  # brown-out's load: nothing to share without tiers
+                await self.shared.start()
 
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        if self.shared is not None:
+            await self.shared.close()
         if self.client is not None:
             await self.client.aclose()
         await self.tenant_state.close()
@@ -233,13 +248,23 @@ class GatewayService:
         if not config.tiers:
             self.metrics.tier_decisions.labels(PRIMARY, "default").inc()
             return TierDecision(PRIMARY, "default")
-        loads = {name: self.pool.load(self.tier_group(name)) for name in self.served_tiers}
+        others = self.shared.others if self.shared is not None else {}
+        loads = {}
+        for name in self.served_tiers:  # every gateway replica's requests (`shared`)
+            load = self.pool.load(self.tier_group(name))
+            loads[name] = TierLoad(load.routable, load.in_flight + others.get(name, 0))
         need = TierNeed(tenant.priority, parsed.max_tokens, parsed.input_tokens,
                         parsed.requested_tier)  # fmt: skip
         decision = choose_tier(config.tiers, config.tier_rules, config.brownout, need,
                                tenant.config, loads)  # fmt: skip
         self.metrics.tier_decisions.labels(decision.tier, decision.reason).inc()
         return decision
+
+    def tier_in_flight(self) -> dict[str, int]:
+        """This gateway's requests in flight on each tier (what brown-out counts)."""
+        if not self.config.tiers:
+            return {}
+        return {name: self.pool.in_flight(self.tier_group(name)) for name in self.served_tiers}
 
     def tier_group(self, tier: str, parsed: ParsedRequest | None = None) -> Group:
         """The group serving `tier`: a model tier's model's stable group (and `parsed`, the

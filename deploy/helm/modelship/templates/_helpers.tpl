@@ -123,9 +123,9 @@ tier's `optimized/<variant>`. Call with (dict "release" n-or-nil "variant" v-or-
 {{- if .variant }}optimized/{{ .variant }}{{ else if .release }}releases/{{ .release }}{{ else }}production{{ end }}
 {{- end }}
 
-{{/* Where the engine reads the model. Call with (dict "root" $ "release" n "variant" v). */}}
+{{/* Where the engine reads the model. Call with (dict "slug" s "release" n "variant" v). */}}
 {{- define "modelship.modelPath" -}}
-/data/models/{{ .root.Values.model.slug }}/{{ include "modelship.serves" . }}
+/data/models/{{ .slug }}/{{ include "modelship.serves" . }}
 {{- end }}
 
 {{- define "modelship.apiKeyEnv" -}}

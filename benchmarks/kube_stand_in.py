@@ -1,5 +1,6 @@
 """A stand-in Kubernetes API server on 127.0.0.1 speaking the EndpointSlice list and watch
-protocol, for the gateway's discovery (`gateway/discovery.py`) in tests.
+protocol, for the gateway's discovery (`gateway/discovery.py`) in tests and in
+`routing.py --fleets discovery` (here, in benchmarks/, which is on the tests' path too).
 
 What it serves, as the real API server does: `GET /apis/discovery.k8s.io/v1/namespaces/NS/
 endpointslices` with a `labelSelector` on `kubernetes.io/service-name` (`=` or `in (...)`):

@@ -38,10 +38,13 @@ data: setup
 run: setup
 	$(VENV)/bin/modelship run demo
 
+# Two pytest-xdist workers, whole files each (a module's servers start once): one process
+# kept one of CI's two cores busy while its tests waited on the servers and fleets they start.
+TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)

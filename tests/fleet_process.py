@@ -16,14 +16,18 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelship.server.process import free_port
+from modelship.server.process import bind_socket
 
 
 class UpProcess:
     def __init__(
         self, config: dict, storage: Path, slug: str, workdir: Path, env: dict | None = None
     ) -> None:
-        self.port = free_port()
+        # Held (bound, not listening) until stop(): the gateway binds the port beside this
+        # socket (both SO_REUSEADDR), and no other process (a test in another pytest-xdist
+        # worker) is given it while `modelship up` starts.
+        self._port_hold = bind_socket("127.0.0.1")
+        self.port = self._port_hold.getsockname()[1]
         config = {**config, "gateway": {**config.get("gateway", {}), "port": self.port}}
         self.config_path = workdir / "pipeline.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -132,6 +136,7 @@ class UpProcess:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        self._port_hold.close()
         _, alive = psutil.wait_procs(replicas, timeout=10)
         assert not alive, f"replicas left running: {alive}"
         return self.process.returncode

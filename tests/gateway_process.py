@@ -10,7 +10,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelship.server.process import ReplicaProcess
+from modelship.server.process import ReplicaProcess, bind_socket
 
 
 class GatewayProcess(ReplicaProcess):
@@ -28,11 +28,20 @@ class GatewayProcess(ReplicaProcess):
         `sections`: more of pipeline.yaml than its `gateway:` (e.g. `deploy:`, `tracing:`)."""
         config = tmp_path / "pipeline.yaml"
         config.write_text(yaml.safe_dump({"gateway": gateway, **(sections or {})}))
+        # The port stays bound here (not listening) until stop(): the gateway binds it beside
+        # this socket (both SO_REUSEADDR), and no other process (a test in another pytest-xdist
+        # worker) is given it between choosing it and the gateway's own bind.
+        self._port_hold = bind_socket("127.0.0.1")
         super().__init__(
             Path("."), "--config", str(config), *endpoint_args, log_path=tmp_path / "gateway.log",
-            api_key=api_key,
+            port=self._port_hold.getsockname()[1], api_key=api_key,
         )  # fmt: skip
         self.metrics_key: str | None = None  # a gateway.metrics_api_key_sha256 key
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        code = super().stop(timeout_s)
+        self._port_hold.close()
+        return code
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "modelship", "gateway", *self.args,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from modelship.server.process import free_port
+from modelship.server.process import bind_socket
 
 
 def server_binary() -> str:
@@ -25,10 +25,15 @@ def server_binary() -> str:
 
 
 class RedisProcess:
-    """`start` (again after `stop`, on the same port), `url`, `stop` (SIGKILL: lost)."""
+    """`start` (again after `stop`, on the same port), `url`, `stop` (SIGKILL: lost),
+    `close` (stopped for good: the port is given up)."""
 
     def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
+        # The port stays bound here (not listening) until close(): the server binds it beside
+        # this socket (both SO_REUSEADDR), and no other process (a test in another
+        # pytest-xdist worker) takes it before a start, or between a stop and the next start.
+        self._port_hold = bind_socket("127.0.0.1")
+        self.port = self._port_hold.getsockname()[1]
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
@@ -60,3 +65,7 @@ class RedisProcess:
             self.process.kill()
             self.process.wait()
             self.process = None
+
+    def close(self) -> None:
+        self.stop()
+        self._port_hold.close()

@@ -20,6 +20,7 @@ import typer
 from modelship.cli import app as cli_app
 from modelship.cli.serve import FLAGS, PORT_IN_USE_EXIT_CODE, serve_options
 from modelship.cli.serve import app as serve_app
+from modelship.server.process import bind_socket
 from modelship.storage import Storage
 
 from fleet_storage import publish_release
@@ -31,13 +32,16 @@ pytestmark = pytest.mark.timeout(300)
 SMALL = ("--max-model-len", "256", "--kv-cache-memory-mb", "16")
 
 
-def run_cli(*args: str, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, columns: int = 200, pass_fds: tuple[int, ...] = (), **env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "modelship", *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "COLUMNS": str(columns), **env},
+        pass_fds=pass_fds,
     )
 
 
@@ -158,20 +162,17 @@ def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused(
     assert "fewer than one sequence of max_model_len 8192" in result.stderr
     assert "Traceback" not in result.stderr
     # A share of free memory is known once the weights are in: checked then, as clearly.
-    result = run_cli("serve", str(tiny_llama_dir), "--gpu-memory-utilization", "1e-9",
-                     "--engine-core", "thread", "--port", str(free_port()))  # fmt: skip
+    # The port is handed over bound (--fd), so no other test can take it before the server.
+    with bind_socket("127.0.0.1") as sock:
+        result = run_cli("serve", str(tiny_llama_dir), "--gpu-memory-utilization", "1e-9",
+                         "--engine-core", "thread", "--fd", str(sock.fileno()),
+                         pass_fds=(sock.fileno(),))  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "fewer than one sequence of max_model_len 512" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 # The port -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_port_out_of_range_is_refused(tiny_llama_dir: Path) -> None:
     result = run_cli("serve", str(tiny_llama_dir), "--port", "70000")
     assert result.returncode == 2

@@ -36,7 +36,7 @@ import httpx
 import psutil
 import yaml
 
-from modelship.server.process import ReplicaProcess, free_port
+from modelship.server.process import ReplicaProcess, bind_socket
 from modelship.storage import Storage
 
 from bad_replica import BadReplica
@@ -155,9 +155,14 @@ def _serve(context: DrillContext, index: int) -> ReplicaProcess:
 
 class GatewayProcess:
     """`modelship gateway` in front of replicas given by address, on a fixed port (a
-    restart comes back on the same one)."""
+    restart comes back on the same one); `close` stops it for good."""
 
-    def __init__(self, config: dict, endpoints: list[str], port: int, work_dir: Path) -> None:
+    def __init__(self, config: dict, endpoints: list[str], work_dir: Path) -> None:
+        # The port stays bound here (not listening) until close(): the gateway binds it beside
+        # this socket (both SO_REUSEADDR), and no other process (a test in another pytest-xdist
+        # worker) takes it before the first start or between a stop and the restart.
+        self._port_hold = bind_socket("127.0.0.1")
+        port = self._port_hold.getsockname()[1]
         self.config_path = work_dir / "gateway.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.command = [sys.executable, "-m", "modelship", "gateway",
@@ -197,6 +202,11 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.process.wait()
+
+    def close(self) -> int:
+        code = self.stop()
+        self._port_hold.close()
+        return code
 
 
 def _gateway_config(resilience: dict | None = None) -> dict:
@@ -345,7 +355,7 @@ def _bad_replica(
     work_dir.mkdir(exist_ok=True)
     # A long cool-down: once open, the breaker stays open for the whole case.
     config = _gateway_config({"breaker_cool_down_s": 120.0})
-    gateway = GatewayProcess(config, [good.url, bad.url], free_port(), work_dir)
+    gateway = GatewayProcess(config, [good.url, bad.url], work_dir)
     try:
         if not result.check(
             f"{case}: the gateway starts", gateway.wait_ready(60), gateway.log_tail()
@@ -363,7 +373,7 @@ def _bad_replica(
         )
         sent_to_bad = bad.num_requests()
     finally:
-        gateway.stop()
+        gateway.close()
         bad.stop()
     _record(result, case, outcomes)
     result.figures[f"{case}_reached_bad_replica"] = sent_to_bad
@@ -392,8 +402,7 @@ def _gateway_restart(
     case = f"gateway_{how}"
     work_dir = context.work_dir / case
     work_dir.mkdir(exist_ok=True)
-    port = free_port()
-    gateway = GatewayProcess(_gateway_config(), [r.url for r in replicas], port, work_dir)
+    gateway = GatewayProcess(_gateway_config(), [r.url for r in replicas], work_dir)
     down_at = ready_at = None
     try:
         if not result.check(
@@ -417,7 +426,7 @@ def _gateway_restart(
         finally:
             outcomes = traffic.stop()
     finally:
-        code = gateway.stop()
+        code = gateway.close()
     _record(result, case, outcomes)
     result.figures[f"{case}_down_s"] = ready_at and down_at and round(ready_at - down_at, 1)
     if down_at is not None:

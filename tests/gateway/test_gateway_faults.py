@@ -19,7 +19,7 @@ from modelship.gateway.config import GatewayConfig
 from modelship.gateway.groups import STABLE
 from modelship.gateway.pool import EndpointPool, static_upstreams
 from modelship.gateway.service import GatewayService
-from modelship.server.process import free_port
+from modelship.server.process import bind_socket
 
 from bad_replica import BadReplica
 from server_process import ServerProcess
@@ -172,15 +172,17 @@ def test_a_started_gateway_already_knows_which_replicas_answer(
     bad_replicas.append(answering)
     config = GatewayConfig()
     pool = EndpointPool(config.resilience)
-    silent = f"http://127.0.0.1:{free_port()}"  # nothing listens
-    static_upstreams(pool, [answering.url, silent], STABLE, "stable")
-    service = GatewayService(config, pool)
+    # Bound, never listening: connections are refused, and no other process can listen there.
+    with bind_socket("127.0.0.1") as nothing_listens:
+        silent = f"http://127.0.0.1:{nothing_listens.getsockname()[1]}"
+        static_upstreams(pool, [answering.url, silent], STABLE, "stable")
+        service = GatewayService(config, pool)
 
-    async def start() -> tuple[bool, list[bool]]:
-        await service.start()
-        try:
-            return service.is_ready(), [upstream.is_healthy for upstream in pool]
-        finally:
-            await service.close()
+        async def start() -> tuple[bool, list[bool]]:
+            await service.start()
+            try:
+                return service.is_ready(), [upstream.is_healthy for upstream in pool]
+            finally:
+                await service.close()
 
-    assert asyncio.run(start()) == (True, [True, False])
+        assert asyncio.run(start()) == (True, [True, False])

@@ -23,7 +23,7 @@ from modelship.config import ConfigError, ModelshipConfig
 from modelship.gateway import hash_api_key
 from modelship.gateway.canary import in_canary
 from modelship.gateway.tiers import PRIMARY, TIER_HEADER
-from modelship.server.process import free_port
+from modelship.server.process import bind_socket
 
 from server_process import ServerProcess
 
@@ -219,11 +219,15 @@ def test_slow_answer_is_a_504(replica: ServerProcess, start_gateway):
 
 
 def test_dead_replica_is_routed_around(replica: ServerProcess, start_gateway):
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    gateway = start_gateway([dead, replica.url], routing={"policy": "round_robin"})
-    statuses = [post(gateway, chat(), path="/v1/chat/completions").status_code for _ in range(8)]
+    # Bound, never listening: connections are refused, and no other process can listen there.
+    with bind_socket("127.0.0.1") as nothing_listens:
+        dead = f"http://127.0.0.1:{nothing_listens.getsockname()[1]}"
+        gateway = start_gateway([dead, replica.url], routing={"policy": "round_robin"})
+        statuses = [
+            post(gateway, chat(), path="/v1/chat/completions").status_code for _ in range(8)
+        ]
+        metrics = httpx.get(f"{gateway.url}/metrics").text
     assert statuses == [200] * 8
-    metrics = httpx.get(f"{gateway.url}/metrics").text
     # The dead one never passed a health check, so it was never tried.
     assert 'modelship_gateway_replicas{release="stable",state="unhealthy"' in metrics
 

@@ -25,7 +25,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     process = RedisProcess(tmp_path_factory.mktemp("redis") / "redis.log")
     process.start()
     yield process
-    process.stop()
+    process.close()
 
 
 def make_tenant(name: str, **limits) -> Tenant:

@@ -149,12 +149,13 @@ def test_unreachable_hub_fails_fast_with_advice(
 ) -> None:
     import socket
 
-    with socket.socket() as s:  # a port nobody listens on
+    # Bound, never listening, until the end: connections are refused, and no other process
+    # (a test in another pytest-xdist worker) can listen there meanwhile.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    with pytest.raises(AcquireError) as info:
-        acquire("acme/tiny", storage)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
+        with pytest.raises(AcquireError) as info:
+            acquire("acme/tiny", storage)
     message = str(info.value)
     assert "cannot reach the Hugging Face Hub" in message
     assert "modelship acquire demo" in message

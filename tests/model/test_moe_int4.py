@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_int4 import logits_of, needs_w4a8, reference_logits
-from test_moe import save_tiny_moe
 
 from modelship.model import load_model
 from modelship.model.quant.int4 import W4A8Linear
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
+
+from tiny_models import save_tiny_moe
 
 # every width a multiple of the group size 64, so the W4A8 kernel takes every projection
 WIDTHS = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gemma import save_tiny_gemma2
-from test_moe import save_tiny_moe
 from test_phi3 import save_tiny_phi3
 
 from modelship import LLM, SamplingParams
+
+from tiny_models import save_tiny_gemma2, save_tiny_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from test_moe import save_tiny_moe
 
 from modelship import SamplingParams
 from modelship.engine.config import EngineConfig
@@ -20,6 +19,7 @@ from modelship.model.tensor_parallel import ShardSpec
 from paged_model import engine_prefill_logits
 
 from server_process import ServerProcess
+from tiny_models import save_tiny_moe
 
 CONFIG = dict(dtype="float32", block_size=4, num_kv_blocks=64)
 CASES = {

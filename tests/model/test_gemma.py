@@ -15,68 +15,8 @@ from modelship import LLM, SamplingParams
 from modelship.model import AttentionMetadata, allocate_kv_cache, cpu_kernels, load_model
 from paged_model import BLOCK, random_ids, run
 
-from tiny_models import make_tokenizer
+from tiny_models import save_tiny_gemma2
 
-
-def save_tiny_gemma2(folder: Path, kind: str = "gemma2", **overrides) -> Path:
-    """A 2-layer random Gemma 2 (layer 0 sees the last 8 positions, layer 1 all of them)
-    with a trained tokenizer.
-
-    Weights are scaled up so attention scores and logits reach the soft caps (transformers'
-    0.02-std init leaves them far below any cap), and norms randomized around their zero
-    offset.
-    """
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-
-    config_cls, model_cls = (Gemma2Config, Gemma2ForCausalLM)
-    if kind == "gemma3":
-        config_cls, model_cls = (Gemma3TextConfig, Gemma3ForCausalLM)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.0,
-        final_logit_softcapping=0.5,
-        max_position_embeddings=256,
-        sliding_window=8,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    if kind == "gemma3":
-        settings.update(GEMMA3)
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**settings))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.1)
-            elif "q_proj" in name or "k_proj" in name:
-                param.mul_(8.0)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
-# Gemma 3 text: two sliding layers (local RoPE base 10^4) then a global one (base 10^6,
-# linear scaling 2); q/k norms; no soft-caps.
-GEMMA3 = dict(
-    num_hidden_layers=3,
-    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-    },
-    attn_logit_softcapping=None,
-    final_logit_softcapping=None,
-)
 BACKENDS = [
     "sdpa",
     pytest.param(

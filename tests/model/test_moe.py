@@ -15,71 +15,7 @@ from modelship.model.config import ModelConfig
 from modelship.model.moe import MoEMLP
 from paged_model import BACKENDS, BLOCK, random_ids, run
 
-from tiny_models import make_tokenizer
-
-
-def save_tiny_moe(kind: str, folder: Path, **overrides) -> Path:
-    """A 2-layer random MoE model of `kind` with a trained tokenizer, saved as safetensors.
-
-    Norms and biases are randomized so they are really exercised, and the router weights
-    scaled up: with transformers' 0.02-std init every expert is almost equally likely and
-    the top-k would hang on rounding.
-    """
-    from transformers import (
-        MixtralConfig,
-        MixtralForCausalLM,
-        OlmoeConfig,
-        OlmoeForCausalLM,
-        Qwen2MoeConfig,
-        Qwen2MoeForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
-
-    classes = {
-        "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 6}),
-        "olmoe": (OlmoeConfig, OlmoeForCausalLM, {"num_experts": 6}),
-        "qwen2_moe": (
-            Qwen2MoeConfig,
-            Qwen2MoeForCausalLM,
-            {"num_experts": 6, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80},
-        ),
-        "qwen3_moe": (
-            Qwen3MoeConfig,
-            Qwen3MoeForCausalLM,
-            {"num_experts": 6, "moe_intermediate_size": 48, "head_dim": 32},
-        ),
-    }
-    config_cls, model_cls, specific = classes[kind]
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **specific,
-    )
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**settings))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith("gate.weight"):  # the router
-                param.copy_(torch.randn_like(param) * 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
+from tiny_models import save_tiny_moe
 
 CASES = [
     ("mixtral", {}),

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_int4 import logits_of, needs_w4a8, reference_logits
-from test_moe import save_tiny_moe
 
 from modelship.model import load_model
 from modelship.model.quant.int4 import W4A8Linear
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
+
+from tiny_models import save_tiny_moe
 
 # every width a multiple of the group size 64, so the W4A8 kernel takes every projection
 WIDTHS = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
@@ -66,3 +67,27 @@ def test_router_choices_equal_the_unquantized_models(quantized_moe) -> None:
     for layer, (ours, theirs) in enumerate(zip(quantized.layers, original.layers, strict=True)):
         x = inputs[layer]
         assert torch.equal(ours.mlp.route(x), theirs.mlp.route(x)), f"layer {layer}"
+
+
+def test_awq_smooths_an_olmoe_router_with_its_experts(tmp_path) -> None:
+    """AWQ on OLMoE (no mappings of its own in llm-compressor) rescales the post-attention
+    norm's output for the experts and the router alike: every layer routes as the fp32
+    original does on the same hidden states. (Mixtral gets the same mappings, but its int4
+    checkpoint names its experts gate/up/down_proj where the engine reads w1/w3/w2.)"""
+    base = save_tiny_moe("olmoe", tmp_path / "base", hidden_size=128, intermediate_size=128)
+    out = tmp_path / "awq"
+    create_scheme("awq").run(recipe_for("awq", {**SMALL, "options": {"n_grid": 4}}), base, out)
+    original = load_model(base, dtype=torch.float32)
+    quantized = load_model(out, dtype=torch.float32)
+    inputs: list[torch.Tensor] = []
+    for layer in original.layers:
+        layer.post_attention_layernorm.register_forward_hook(
+            lambda m, args, out: inputs.append(args[0])
+        )
+    logits_of(original, torch.arange(3, 60))
+    for layer, (ours, theirs) in enumerate(zip(quantized.layers, original.layers, strict=True)):
+        x = inputs[layer]  # the residual stream the norm reads, identical for both
+        normed = ours.post_attention_layernorm(x)
+        assert torch.equal(
+            ours.mlp.route(normed), theirs.mlp.route(theirs.post_attention_layernorm(x))
+        ), layer

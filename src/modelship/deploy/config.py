@@ -97,7 +97,9 @@ def _gpu_tolerations() -> list[Toleration]:
 class GpuConfig(_Section):
     """GPUs for one kind of pod: the count (a limit) and where such nodes are."""
 
-    count: int = Field(default=1, ge=1)
+    count: int = Field(default=1, ge=1)  # raised by render to what the model needs
+    # One GPU's memory: render raises `count` until the model's share fits (`deploy.sizing`)
+    memory: Quantity = "80Gi"
     resource: str = "nvidia.com/gpu"
     # Required node affinity: each label must have this value (GPU feature discovery's label
     # by default; e.g. `nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3` to pin a model).

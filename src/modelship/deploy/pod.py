@@ -8,6 +8,7 @@ from typing import Any
 from modelship.deploy.config import GpuConfig, Resources
 from modelship.deploy.context import RenderContext
 from modelship.deploy.names import CONFIG_DIR, DATA_ROOT, model_path, variant_path
+from modelship.serve_options import ServeOptions
 
 DATA_VOLUME = "data"
 CONFIG_VOLUME = "config"
@@ -138,7 +139,7 @@ def engine_flags(ctx: RenderContext) -> list[str]:
     replicas get what `modelship up` gives its own (`ModelshipConfig.replica_options`), less
     what the chart sets itself; vLLM its spelling of them (`ServeOptions.vllm_args`).
     Adapter folders are as the pod sees them (e.g. on the data volume)."""
-    options = ctx.config.replica_options()
+    options = replica_options(ctx)
     if ctx.serving.engine == "ours":
         return options.replica_args(exclude=CHART_FLAGS)
     flags = options.vllm_args()
@@ -146,6 +147,17 @@ def engine_flags(ctx: RenderContext) -> list[str]:
     if gpu is not None and gpu.count > 1:
         flags += ["--tensor-parallel-size", str(gpu.count)]
     return flags
+
+
+def replica_options(ctx: RenderContext, **overrides: Any) -> ServeOptions:
+    """The config's replica options, with one tensor-parallel rank per GPU the pod gets
+    (`ctx.serving` raises the count to what the model needs)."""
+    options = ctx.config.replica_options(**overrides)
+    gpu = ctx.serving.gpu
+    if gpu is not None and gpu.count > options.engine.tensor_parallel_size:
+        engine = options.engine.model_copy(update={"tensor_parallel_size": gpu.count})
+        options = options.model_copy(update={"engine": engine})
+    return options
 
 
 def engine_args(
@@ -162,7 +174,7 @@ def engine_args(
         ]  # fmt: skip
         return ["vllm", "serve"], args
     # `variant` is the label a tier's metrics carry
-    options = ctx.config.replica_options(served_model_name=ctx.served_model_name, variant=variant)
+    options = replica_options(ctx, served_model_name=ctx.served_model_name, variant=variant)
     args = ["serve", model_dir, "--host", "0.0.0.0", "--port", str(ctx.port),
             *options.replica_args()]  # fmt: skip
     return ["modelship"], args

@@ -25,6 +25,7 @@ from modelship.deploy.deployment import METRICS_PORT, deployment_serving
 from modelship.deploy.helm_values import helm_values
 from modelship.deploy.kserve import kserve_serving
 from modelship.deploy.names import labels
+from modelship.deploy.sizing import SizingError
 from modelship.deploy.workflow import task_name, workflow
 from modelship.deploy.yaml_text import dump_yaml, dump_yaml_all
 from modelship.serve_options import VLLM_KV_CACHE_DTYPES
@@ -129,7 +130,10 @@ def render(config: ModelshipConfig) -> Rendered:
     problems = config_problems(config)
     if problems:
         raise RenderError("\n".join(problems))
-    ctx = RenderContext.from_config(config)
+    try:
+        ctx = RenderContext.from_config(config)
+    except SizingError as exc:
+        raise RenderError(str(exc)) from exc
     serving = kserve_serving(ctx) if ctx.serving.kind == "kserve" else deployment_serving(ctx)
     rendered = Rendered(
         files={

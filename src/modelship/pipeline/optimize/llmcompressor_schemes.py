@@ -26,6 +26,14 @@ from modelship.pipeline.optimize.weights import cast_floating_in_place, copy_tok
 # post-load linearization; `load_quantizable_moe` would do it while loading, but its
 # transformers patching imports every model module, torchvision-only ones included).
 _IGNORE = ["lm_head", r"re:.*\.gate$", r"re:.*\.shared_expert_gate$"]
+# AWQ folds a scale into a norm and its inverse into the layers the norm feeds: all of them,
+# or those left out see a rescaled input. llm-compressor 0.14 maps Qwen2/3-MoE's
+# post-attention norm to the router and the experts together, but has no mappings for OLMoE
+# or Mixtral: its default ones would scale the experts and not the router, which would then
+# route on the rescaled hidden state. Once their experts are linearized both have
+# Qwen3-MoE's layout (`mlp.gate`, `mlp.experts.<e>.{gate,up,down}_proj`).
+_AWQ_MAPPINGS_OF = {"OlmoeForCausalLM": "Qwen3MoeForCausalLM",
+                    "MixtralForCausalLM": "Qwen3MoeForCausalLM"}  # fmt: skip
 
 
 def _weights_scheme(recipe: Recipe) -> dict[str, Any]:
@@ -48,6 +56,14 @@ def _check_group_size(model, group_size: int) -> None:
                 f"group size {group_size} does not divide {name}'s input width "
                 f"{module.in_features}; choose a divisor (e.g. 64 or 32)"
             )
+
+
+def _awq_mappings(model) -> list | None:
+    """This family's AWQ mappings where llm-compressor's would be wrong; None: its own."""
+    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
+
+    like = _AWQ_MAPPINGS_OF.get(type(model).__name__)
+    return None if like is None else AWQ_MAPPING_REGISTRY[like]
 
 
 @contextmanager
@@ -115,7 +131,7 @@ def _run(recipe: Recipe, base_dir: Path, out_dir: Path) -> dict[str, Any]:
         pinning = nullcontext()
     else:
         modifiers = [
-            AWQModifier(n_grid=recipe.options.get("n_grid", 20)),
+            AWQModifier(n_grid=recipe.options.get("n_grid", 20), mappings=_awq_mappings(model)),
             QuantizationModifier(targets="Linear", ignore=_IGNORE, config_groups=groups),
         ]
         pinning = _cpu_safe_pinning()

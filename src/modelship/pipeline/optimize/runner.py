@@ -26,7 +26,8 @@ from modelship.storage.manifest import tool_versions, verify_artifact
 
 # Bumped when a scheme's output changes for the same recipe, so memoized variants rebuild.
 # 2: GPTQ and AWQ calibrate deterministically (one thread, seeded, unshuffled).
-OPTIMIZE_CODE_VERSION = 2
+# 3: AWQ smooths OLMoE's and Mixtral's routers with their experts.
+OPTIMIZE_CODE_VERSION = 3
 
 
 @dataclass(frozen=True)

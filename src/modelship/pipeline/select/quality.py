@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from modelship.engine import EngineConfig, LLMEngine
+from modelship.model.config import ModelConfig
+from modelship.model.kv_cache import kv_cache_bytes_per_block
+from modelship.model.loader import resolve_dtype
 from modelship.pipeline.select.benchmark_data import ChoiceItem
 from modelship.pipeline.select.multiple_choice import score_choices
 from modelship.pipeline.select.tool_use import ToolTask, score_tool_calls
@@ -56,14 +59,21 @@ def load_tasks(path: Path = TASKS_PATH) -> list[TaskItem]:
     return items
 
 
+# Scoring batches as many sequences as the KV cache holds: this much at least, for speed.
+MIN_KV_CACHE_BYTES = 64 * 1024**2
+
+
 class Scorer:
-    """A variant loaded in our engine, scoring token sequences with no sampling."""
+    """A variant loaded in our engine, scoring token sequences with no sampling. Its KV
+    cache holds one `max_model_len` sequence of this model (the engine refuses less: a
+    float32 cache of the 135M demo model needs 90 MiB for 2048 tokens), and no less than
+    MIN_KV_CACHE_BYTES."""
 
     def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
-        self.engine = LLMEngine(
-            model_dir,
-            EngineConfig(max_model_len=max_model_len, kv_cache_memory_bytes=64 * 1024**2),
-        )
+        config = EngineConfig(max_model_len=max_model_len)
+        one_sequence = kv_cache_bytes(model_dir, config, max_model_len)
+        config = replace(config, kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, one_sequence))
+        self.engine = LLMEngine(model_dir, config)
         self.tokenizer = self.engine.tokenizer
 
     def weight_bytes(self) -> int:
@@ -72,6 +82,16 @@ class Scorer:
     def logprobs(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
         """For each sequence, [len - 1, vocab] float32 log-softmax of the next token."""
         return self.engine.score(sequences)
+
+
+def kv_cache_bytes(model_dir: Path, config: EngineConfig, num_tokens: int) -> int:
+    """Bytes of KV cache that `num_tokens` tokens of this model take under `config` (the
+    cache dtype that its device and compute dtype give), in whole blocks."""
+    model_config = ModelConfig.from_dir(model_dir)
+    compute_dtype = resolve_dtype(model_config, config.torch_device, config.dtype)
+    cache_dtype = config.cache_dtype(compute_dtype)
+    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, cache_dtype)
+    return block_bytes * -(-num_tokens // config.block_size)
 
 
 @dataclass

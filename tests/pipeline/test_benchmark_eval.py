@@ -112,3 +112,14 @@ def test_encode_pair_moves_the_contexts_trailing_space_to_the_continuation(
     assert context == tokenizer("Q: hi\nA:", add_special_tokens=False).input_ids
     whole = tokenizer("Q: hi\nA: yes", add_special_tokens=False).input_ids
     assert context + continuation == whole
+
+
+def test_encode_pair_moves_a_trailing_newline_too_like_lm_eval(tiny_llama_dir: Path) -> None:
+    """lm-eval strips every trailing whitespace character off the context, not only spaces."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    context, continuation = encode_pair(tokenizer, "Q: hi\nA:\n", " yes")
+    assert context == tokenizer("Q: hi\nA:", add_special_tokens=False).input_ids
+    whole = tokenizer("Q: hi\nA:\n yes", add_special_tokens=False).input_ids
+    assert context + continuation == whole

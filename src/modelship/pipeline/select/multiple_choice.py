@@ -2,7 +2,8 @@
 continuation of the context, through our engine's own model (`quality.Scorer`).
 
 Tokens as lm-eval's `_encode_pair` makes them: the context alone and context + " " + choice
-are tokenized, and the continuation is what the whole has past the context's tokens. Per
+are tokenized, and the continuation is what the whole has past the context's tokens
+(`benchmarks/lm_eval_crosscheck.py` checks this against lm-eval itself). Per
 item: `correct` (lm-eval's acc: the highest log-likelihood is the answer), `correct_norm`
 (acc_norm: log-likelihood divided by the choice's length in characters, as lm-eval's
 `completion_len`) and `choice_prob`, a continuous score: the answer's probability among the
@@ -31,9 +32,9 @@ class ChoiceScore:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids); trailing spaces of the context move to the
-    continuation, as lm-eval does."""
-    spaces = len(context) - len(context.rstrip(" "))
+    """(context ids, continuation ids); the context's trailing whitespace (spaces and
+    newlines alike, as lm-eval's `_encode_pair` strips it) moves to the continuation."""
+    spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer(context + continuation, add_special_tokens=False).input_ids

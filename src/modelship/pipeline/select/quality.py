@@ -59,25 +59,21 @@ def load_tasks(path: Path = TASKS_PATH) -> list[TaskItem]:
     return items
 
 
-def scoring_cache_bytes(model_dir: Path, config: EngineConfig) -> int:
-    """KV-cache bytes for scoring: at least 64 MiB, and always one whole sequence of
-    `config.max_model_len` (scoring uses the cache as scratch, one sequence at a time at
-    worst). A fixed 64 MiB held only 1,456 tokens of the demo model's 30 layers in the
-    CPU's float32 cache, under the 2,048 the engine requires."""
-    model_config = ModelConfig.from_dir(model_dir)
-    cache_dtype = config.cache_dtype(resolve_dtype(model_config, config.torch_device, config.dtype))
-    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, cache_dtype)
-    blocks = -(-config.max_model_len // config.block_size)
-    return max(64 * 1024**2, blocks * block_bytes)
+# Scoring batches as many sequences as the KV cache holds: this much at least, for speed.
+MIN_KV_CACHE_BYTES = 64 * 1024**2
 
 
 class Scorer:
-    """A variant loaded in our engine, scoring token sequences with no sampling."""
+    """A variant loaded in our engine, scoring token sequences with no sampling. Its KV
+    cache holds one `max_model_len` sequence of this model (the engine refuses less: a
+    float32 cache of the 135M demo model needs 90 MiB for 2048 tokens), and no less than
+    MIN_KV_CACHE_BYTES."""
 
     def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
         config = EngineConfig(max_model_len=max_model_len)
-        cache_bytes = scoring_cache_bytes(model_dir, config)
-        self.engine = LLMEngine(model_dir, replace(config, kv_cache_memory_bytes=cache_bytes))
+        one_sequence = kv_cache_bytes(model_dir, config, max_model_len)
+        config = replace(config, kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, one_sequence))
+        self.engine = LLMEngine(model_dir, config)
         self.tokenizer = self.engine.tokenizer
 
     def weight_bytes(self) -> int:
@@ -86,6 +82,16 @@ class Scorer:
     def logprobs(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
         """For each sequence, [len - 1, vocab] float32 log-softmax of the next token."""
         return self.engine.score(sequences)
+
+
+def kv_cache_bytes(model_dir: Path, config: EngineConfig, num_tokens: int) -> int:
+    """Bytes of KV cache that `num_tokens` tokens of this model take under `config` (the
+    cache dtype that its device and compute dtype give), in whole blocks."""
+    model_config = ModelConfig.from_dir(model_dir)
+    compute_dtype = resolve_dtype(model_config, config.torch_device, config.dtype)
+    cache_dtype = config.cache_dtype(compute_dtype)
+    block_bytes = kv_cache_bytes_per_block(model_config, config.block_size, cache_dtype)
+    return block_bytes * -(-num_tokens // config.block_size)
 
 
 @dataclass

@@ -66,11 +66,18 @@ inline __m256i broadcast4(const int8_t* q) {
 
 // Rows m0 .. m0 + R - 1 of `a` against one block: 8 outputs per row, written to out[r * N]
 // (the first `valid` of them). `unpacked` (when Unpacked): the block's lanes already
-// split, [K / 64][8 lanes][lo, hi].
-template <typename Dot, int R, bool Unpacked>
+// split, [K / 64][8 lanes][lo, hi]. Chunks: the group's chunks of 64 columns when known at
+// compile time (1 for G = 64), 0 to read it from w.G.
+//
+// The lane loop is unrolled so that acc[r][i] stays in registers: rolled, GCC kept the R x 8
+// accumulators on the stack (a load and a store per lane and group). With the chunk loop
+// also known (G = 64), a lane is straight-line code: its vpdpbusd, one conversion and one
+// fma per row. Neither changes an operation or its order, only where values live.
+template <typename Dot, int R, bool Unpacked, int Chunks>
 inline void q4x8_tile(const ActivationRows& a, const Q4Block& w, const __m256i* unpacked,
                       int64_t m0, int64_t N, int64_t valid, float* out) {
-  const int64_t K = w.K, num_groups = K / w.G, chunks_per_group = w.G / kChunkCols;
+  const int64_t K = w.K, num_groups = K / w.G;
+  const int64_t chunks_per_group = Chunks > 0 ? Chunks : w.G / kChunkCols;
   __m256 acc[R][8];   // [row][lane]: 8 outputs each
   __m256 min_term[R];
   for (int r = 0; r < R; ++r) {
@@ -88,6 +95,7 @@ inline void q4x8_tile(const ActivationRows& a, const Q4Block& w, const __m256i* 
       sd[r] = _mm256_mul_ps(s, _mm256_set1_ps(a.d[ag]));
       min_term[r] = _mm256_add_ps(min_term[r], _mm256_mul_ps(mn, _mm256_set1_ps(a.qsum[ag])));
     }
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       typename Dot::Sum sum[R];
       for (int r = 0; r < R; ++r) sum[r] = Dot::zero();
@@ -130,8 +138,9 @@ inline void q4x8_tile(const ActivationRows& a, const Q4Block& w, const __m256i* 
 // Blocks [b_begin, b_end) of the weight for all M rows: out[m, 8b + c]. With more than a
 // couple of rows each block is unpacked once into `scratch` ([K / 64 * 16] vectors) and
 // reused by every row tile; a row or two reads each weight once and unpacks it in place.
-template <typename Dot>
-void q4x8_blocks(const ActivationRows& a, const uint8_t* qweight, const uint16_t* scales,
+// Chunks: as in `q4x8_tile`.
+template <typename Dot, int Chunks>
+void q4x8_blocks_of(const ActivationRows& a, const uint8_t* qweight, const uint16_t* scales,
                  const uint16_t* mins, int64_t M, int64_t N, int64_t K, int64_t G,
                  int64_t b_begin, int64_t b_end, __m256i* scratch, float* out) {
   constexpr int R = Dot::kRows;
@@ -151,13 +160,27 @@ void q4x8_blocks(const ActivationRows& a, const uint8_t* qweight, const uint16_t
         }
       }
       int64_t m = 0;
-      for (; m + R <= M; m += R) q4x8_tile<Dot, R, true>(a, w, scratch, m, N, valid, block_out);
-      for (; m < M; ++m) q4x8_tile<Dot, 1, true>(a, w, scratch, m, N, valid, block_out);
+      for (; m + R <= M; m += R) {
+        q4x8_tile<Dot, R, true, Chunks>(a, w, scratch, m, N, valid, block_out);
+      }
+      for (; m < M; ++m) q4x8_tile<Dot, 1, true, Chunks>(a, w, scratch, m, N, valid, block_out);
     } else {
       for (int64_t m = 0; m < M; ++m) {
-        q4x8_tile<Dot, 1, false>(a, w, nullptr, m, N, valid, block_out);
+        q4x8_tile<Dot, 1, false, Chunks>(a, w, nullptr, m, N, valid, block_out);
       }
     }
+  }
+}
+
+// `q4x8_blocks_of`, its chunk loop known at compile time for G = 64 (the demo model's).
+template <typename Dot>
+void q4x8_blocks(const ActivationRows& a, const uint8_t* qweight, const uint16_t* scales,
+                 const uint16_t* mins, int64_t M, int64_t N, int64_t K, int64_t G,
+                 int64_t b_begin, int64_t b_end, __m256i* scratch, float* out) {
+  if (G == kChunkCols) {
+    q4x8_blocks_of<Dot, 1>(a, qweight, scales, mins, M, N, K, G, b_begin, b_end, scratch, out);
+  } else {
+    q4x8_blocks_of<Dot, 0>(a, qweight, scales, mins, M, N, K, G, b_begin, b_end, scratch, out);
   }
 }
 

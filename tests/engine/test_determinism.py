@@ -87,6 +87,14 @@ def test_greedy_with_chunked_prefill_equals_one_chunk(model_dir: Path) -> None:
     assert tokens_and_logprobs(chunked) == tokens_and_logprobs(whole)
 
 
+def test_greedy_is_the_same_with_one_thread_for_batch_1_steps(model_dir: Path) -> None:
+    """`step_threads` runs the decode steps on 1 thread and the prefill on 2: the same bits
+    as 2 threads throughout (every kernel splits work by outputs, never inside a sum)."""
+    two = LLM(model_dir, num_threads=2).generate(PROMPT, GREEDY)[0]
+    mixed = LLM(model_dir, num_threads=2, step_threads=((1, 1),)).generate(PROMPT, GREEDY)[0]
+    assert tokens_and_logprobs(mixed) == tokens_and_logprobs(two)
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
     model_dir = request.getfixturevalue(VARIANTS[request.param])

@@ -242,6 +242,47 @@ def test_w4a8_rows_do_not_depend_on_the_batch(in_features: int) -> None:
         assert torch.equal(linear(x[max(0, i - 4) : i + 1])[-1], whole[i])
 
 
+@needs_w4a8
+def test_w4a8_pads_output_rows_to_whole_blocks() -> None:
+    # the row-interleaved layout packs 8 output rows per block: 37 rows take 5 blocks, the
+    # padding rows are dropped, and the real rows stay exact and batch-invariant
+    gen = torch.Generator().manual_seed(3)
+    u = torch.randint(0, 16, (37, 576), generator=gen, dtype=torch.int32)
+    scale = torch.rand(37, 9, generator=gen) * 0.05 + 0.01
+    zero_point = torch.randint(-8, 8, (37, 9), generator=gen, dtype=torch.int32)
+    linear = W4A8Linear.from_unpacked(u, scale, zero_point, 64, None)
+    assert linear.qweight.shape == (5, 4 * 576) and linear.scales.shape == (5, 9, 8)
+    x = torch.randn(6, 576, generator=gen)
+    whole = linear(x)
+    assert whole.shape == (6, 37)
+    torch.testing.assert_close(whole, ref_w4a8(x, u, scale, zero_point, 64), atol=1e-3, rtol=1e-4)
+    for i in range(6):
+        assert torch.equal(linear(x[i : i + 1])[0], whole[i])
+
+
+@needs_w4a8
+@pytest.mark.skipif(
+    not cpu_kernels.load() or cpu_kernels.q4_kernel_isa() != "vnni",
+    reason="the VNNI path needs a CPU with AVX512-VNNI",
+)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 16])
+def test_w4a8_vnni_and_avx2_paths_give_the_same_bits(num_rows: int) -> None:
+    # the two instruction sets sum the same integers per lane, then run one float epilogue:
+    # a replica's output must not depend on which CPU of a fleet serves it
+    gen = torch.Generator().manual_seed(num_rows)
+    for in_features, group_size in ((576, 64), (1536, 64), (512, 256)):
+        groups = in_features // group_size
+        u = torch.randint(0, 16, (96, in_features), generator=gen, dtype=torch.int32)
+        scale = torch.rand(96, groups, generator=gen) * 0.05
+        zero_point = torch.randint(-8, 8, (96, groups), generator=gen, dtype=torch.int32)
+        packed = cpu_kernels.pack_q4(u, scale, zero_point)
+        x = torch.randn(num_rows, in_features, generator=gen)
+        for xd in (x, x.bfloat16()):
+            avx2 = cpu_kernels.q4_linear(xd, *packed, group_size, "avx2")
+            vnni = cpu_kernels.q4_linear(xd, *packed, group_size, "vnni")
+            assert torch.equal(avx2, vnni)
+
+
 def test_int4_kernel_choice() -> None:
     gen = torch.Generator().manual_seed(2)
     u = torch.randint(0, 16, (32, 128), generator=gen, dtype=torch.int32)

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 from modelship.engine.speculative import SpeculativeConfig
+from modelship.engine.step_threads import check_step_threads
 from modelship.model.attention import ATTENTION_BACKENDS
 from modelship.model.quant.int4 import INT4_KERNELS
 from modelship.model.quant.int8 import LM_HEADS
@@ -56,6 +57,12 @@ class EngineConfig:
     max_waiting_tokens: int = 1_000_000
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    # CPU: torch threads per step by the step's token count, as (most tokens, threads)
+    # pairs in increasing order; larger steps keep the engine's threads (`num_threads`,
+    # else torch's). ((1, 1),) runs batch-1 decode steps on one thread. The kernels compute
+    # each output the same way on any thread count, so this changes time, never tokens
+    # (`engine.step_threads`; docs/performance.md, "Threads per step").
+    step_threads: tuple[tuple[int, int], ...] = ()
     seed: int = 0
     # CPU int4 kernel: "auto" (modelship's W4A8 where AVX2 and the group size allow, else
     # torch's), "w4a8" or "torch" (bf16 arithmetic; `model.quant.int4`)
@@ -138,6 +145,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in dtypes:
                 raise ValueError(f"{name} must be one of {sorted(dtypes)}, got {value!r}")
+        check_step_threads(self.step_threads)
+        if self.step_threads and self.tensor_parallel_size > 1:
+            # the ranks are processes of their own, each with its thread count
+            raise ValueError("step_threads is not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and (self.loras or self.enable_lora):
             # an adapter's delta is computed over whole projections, a rank holds a slice
             raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")

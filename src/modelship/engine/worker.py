@@ -28,6 +28,7 @@ from modelship.engine.errors import KVCacheTooSmallError
 from modelship.engine.loras import LoRARegistry
 from modelship.engine.model_runner import ModelRunner, RunnerOutput
 from modelship.engine.scheduler import SchedulerOutput
+from modelship.engine.step_threads import StepThreads
 from modelship.engine.tensor_parallel import (
     ParallelModel,
     TensorParallelGroup,
@@ -58,6 +59,7 @@ class Worker:
         if config.num_threads or tp_size > 1:
             torch.set_num_threads(threads_per_rank(config))
         self.device = rank_device(config, 0)
+        self.step_threads = StepThreads(config.step_threads, torch.get_num_threads())
         self.model_path = Path(model_path)
         model_config = ModelConfig.from_dir(self.model_path)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -241,6 +243,7 @@ class Worker:
         (placeholders until then), then the model runs every planned token and samples for
         the sequences that completed their known tokens. `generators` maps a sequence id to
         its sampling generator (None: greedy)."""
+        self.step_threads.apply(plan.num_batched_tokens)
         if self.draft is not None:
             self.draft.propose([scheduled.seq for scheduled in plan.scheduled], generators)
         return self.runner.execute(plan, generators)
@@ -248,6 +251,7 @@ class Worker:
     def score(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
         """`ModelRunner.score`: the KV cache is scratch space, so no request may hold
         blocks meanwhile (the engine checks)."""
+        self.step_threads.apply(None)
         return self.runner.score(sequences)
 
     def weight_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """modelship's own CPU kernels (`csrc/`): built once per machine, loaded on use.
 
 - `q4_linear` (W4A8) and `q8_linear` (W8A8): `csrc/q4_cpu.cpp`, used by `quant.int4` and
-  `quant.int8`;
+  `quant.int8`; the W4A8 matmul itself is `csrc/q4_gemm.h`, compiled for AVX2 there and for
+  AVX512-VNNI in `csrc/q4_vnni.cpp` (picked at run time, bit-identical results);
 - `rope_paged_attention` (used by `llama.py`) and `paged_attention` (used by
   `attention.py`): `csrc/attention_cpu.cpp`;
 - `dense_linear` (used by `quant.base.dense_linear`): bf16/fp16/fp32 weights widened to fp32
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from modelship.model.kv_cache import KVCache
@@ -43,14 +45,22 @@ logger = logging.getLogger(__name__)
 _NAME = "modelship_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _CSRC / name for name in ("q4_cpu.cpp", "attention_cpu.cpp", "decoder_cpu.cpp", "dense_cpu.cpp")
+    _CSRC / name
+    for name in (
+        "q4_cpu.cpp",
+        "q4_vnni.cpp",
+        "attention_cpu.cpp",
+        "decoder_cpu.cpp",
+        "dense_cpu.cpp",
+    )
 ]
-_HEADERS = [_CSRC / "cpu_kernels.h", _CSRC / "dense_cpu.h"]
+_HEADERS = [_CSRC / "cpu_kernels.h", _CSRC / "q4_gemm.h", _CSRC / "dense_cpu.h"]
 # -ffp-contract=off: GCC would otherwise fuse a scalar `a += b * c` into an FMA in some
 # template instances and not in others, and a row would round differently depending on
 # which tile shape computed it (batch invariance needs one rounding per row).
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 CHUNK = 64  # columns per 32 packed bytes
+BLOCK_ROWS = 8  # output rows interleaved in one block of the W4A8 layout
 MAX_GROUP_SIZE = 256  # int16 partial sums of one group must not overflow
 
 
@@ -136,16 +146,32 @@ def pack_q4(
     scale: torch.Tensor,  # [out, in / group_size]
     zero_point: torch.Tensor,  # [out, in / group_size] signed
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (qweight uint8 [out, in / 2], scales fp16, mins fp16) in `q4_linear`'s layout.
+    """-> (qweight uint8 [blocks, 4 in], scales fp16 [blocks, in / group_size, 8], mins the
+    same) in `q4_linear`'s row-interleaved layout (`csrc/q4_gemm.h`), blocks = ceil(out / 8),
+    the last block padded with zero rows.
 
     W = (u - 8 - zero_point) * scale = u * scale + min with min = -(8 + zero_point) * scale.
+    Per row, chunk of 64 columns, byte j holds column j (low nibble) and j + 32 (high); the
+    block's 8 rows then take turns every 4 bytes (lane i: bytes 4i .. 4i + 3 of each row).
     """
     out_features, in_features = u.shape
-    blocks = u.to(torch.uint8).view(out_features, in_features // CHUNK, 2, CHUNK // 2)
-    qweight = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+    num_blocks = -(-out_features // BLOCK_ROWS)
+    padded = num_blocks * BLOCK_ROWS
     scale = scale.float()
     mins = -(8 + zero_point.float()) * scale
-    return qweight.contiguous(), scale.half().contiguous(), mins.half().contiguous()
+    if padded != out_features:  # zero rows: u = 0 and scale = min = 0 give outputs of 0
+        pad = (0, 0, 0, padded - out_features)
+        u, scale, mins = F.pad(u, pad), F.pad(scale, pad), F.pad(mins, pad)
+    num_chunks = in_features // CHUNK
+    halves = u.to(torch.uint8).view(padded, num_chunks, 2, CHUNK // 2)
+    rows = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [padded, chunks, 32]
+    lanes = rows.view(num_blocks, BLOCK_ROWS, num_chunks, 8, 4)  # [block, row, chunk, lane, 4]
+    qweight = lanes.permute(0, 2, 3, 1, 4).reshape(num_blocks, 4 * in_features)
+
+    def interleave(t: torch.Tensor) -> torch.Tensor:  # [padded, groups] -> [blocks, groups, 8]
+        return t.half().view(num_blocks, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
+
+    return qweight.contiguous(), interleave(scale), interleave(mins)
 
 
 def q4_linear(
@@ -154,8 +180,14 @@ def q4_linear(
     scales: torch.Tensor,
     mins: torch.Tensor,
     group_size: int,
-) -> torch.Tensor:  # [n, out] in x's dtype
-    return torch.ops.modelship.q4_linear(x, qweight, scales, mins, group_size)
+    isa: str = "auto",  # "avx2" or "vnni" force one (the same bits either way)
+) -> torch.Tensor:  # [n, 8 ceil(out / 8)] in x's dtype: the padding rows' outputs are 0
+    return torch.ops.modelship.q4_linear(x, qweight, scales, mins, group_size, isa)
+
+
+def q4_kernel_isa() -> str:
+    """The instruction set `q4_linear` runs here: "vnni" (AVX512-VNNI) or "avx2"."""
+    return torch.ops.modelship.q4_isa()
 
 
 def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@
 
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <torch/extension.h>
 
 #include <cstdint>
 #include <vector>
@@ -63,17 +64,31 @@ struct QuantizedActivations {
 // nearest).
 void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d, float* qsum);
 
-// A 4-bit weight in `pack_q4`'s layout (see q4_cpu.cpp): W[n, k] = u * scale + min.
+// A 4-bit weight in `pack_q4`'s row-interleaved layout (see q4_gemm.h): W[n, k] = u * scale
+// + min, output rows in blocks of 8 (the last one padded with zero rows).
 struct Q4Weight {
-  const uint8_t* qweight;    // [N, K / 2]
-  const c10::Half* scales;   // [N, K / G]
-  const c10::Half* mins;     // [N, K / G]
-  int64_t N, K, G;
+  const uint8_t* qweight;    // [ceil(N / 8), 4 K]
+  const c10::Half* scales;   // [ceil(N / 8), K / G, 8]
+  const c10::Half* mins;     // [ceil(N / 8), K / G, 8]
+  int64_t N, K, G;           // N: the outputs written (at most 8 ceil(N / 8))
 };
 
-// out [M, N] fp32 = x W^T for M rows of `a` quantized at w.K / w.G. Parallel over N; each
-// output is reduced in one fixed order whatever M is.
+// Checks the three tensors of a 4-bit weight for K input columns (TORCH_CHECK naming
+// `name`); N is set to 8 x the blocks (callers with a known N lower it).
+Q4Weight q4_weight(const torch::Tensor& qweight, const torch::Tensor& scales,
+                   const torch::Tensor& mins, int64_t K, const char* name);
+
+// out [M, N] fp32 = x W^T for M rows of `a` quantized at w.K / w.G. Parallel over blocks of
+// output rows; each output is reduced in one fixed order whatever M is, and the AVX2 and
+// VNNI paths give the same bits.
 void q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M, float* out);
+
+// `q4_vnni.cpp`: blocks [b_begin, b_end) of a weight on AVX512-VNNI (only call where the CPU
+// has it). scratch: K / 4 vectors when M > 2.
+void q4x8_blocks_vnni(const int8_t* q, const float* d, const float* qsum,
+                      const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
+                      int64_t M, int64_t N, int64_t K, int64_t G, int64_t b_begin,
+                      int64_t b_end, __m256i* scratch, float* out);
 
 // 8 cache values -> 8 floats: fp32 as is, int8 sign-extended and converted (not yet scaled).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -97,20 +97,10 @@ const float* fp32_vector(const torch::Tensor& t, int64_t size, const char* name)
 }
 
 Q4Weight q4_weight(const torch::Tensor* t, int64_t N, int64_t K, const char* name) {
-  const torch::Tensor &qweight = t[0], &scales = t[1], &mins = t[2];
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  qweight.dim() == 2 && qweight.size(0) == N && qweight.size(1) * 2 == K,
-              name, ": qweight must be contiguous uint8 [", N, ", ", K / 2, "]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
-                  scales.is_contiguous() && mins.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.sizes() == mins.sizes(),
-              name, ": scales and mins must be contiguous fp16 [N, K / G]");
-  const int64_t groups = scales.size(1);
-  TORCH_CHECK(groups > 0 && K % groups == 0, name, ": K / G groups");
-  const int64_t G = K / groups;
-  TORCH_CHECK(G % 64 == 0 && G <= 256, name, ": group size a multiple of 64, at most 256");
-  return {qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(),
-          N, K, G};
+  Q4Weight w = modelship::q4_weight(t[0], t[1], t[2], K, name);
+  TORCH_CHECK(w.N == (N + 7) / 8 * 8, name, ": ", (N + 7) / 8, " blocks of 8 rows for N = ", N);
+  w.N = N;
+  return w;
 }
 
 Projection projection(const torch::Tensor* t, int64_t N, int64_t K, const char* name) {
@@ -216,8 +206,8 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
                   cos.size(1) == D && cos.sizes() == sin.sizes(),
               "cos and sin: contiguous fp32 [max_positions, head_dim]");
   const int64_t qkv_width = (H + 2 * KVH) * D;
-  const torch::Tensor& down0 = weights[kDownWeight];  // packed int4: two columns a byte
-  const int64_t intermediate = down0.size(1) * (down0.scalar_type() == at::kByte ? 2 : 1);
+  const torch::Tensor& down0 = weights[kDownWeight];  // int4 [blocks, 4 I] or dense [N, I]
+  const int64_t intermediate = down0.size(1) / (down0.scalar_type() == at::kByte ? 4 : 1);
   // the norm and SiLU loops run 8 columns at a time (int4 group sizes are multiples of 64)
   TORCH_CHECK(hidden_size % 8 == 0 && intermediate % 8 == 0,
               "hidden and intermediate sizes must be multiples of 8");

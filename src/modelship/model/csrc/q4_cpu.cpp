@@ -1,18 +1,17 @@
 // W4A8 linear for x86 CPUs with AVX2: 4-bit group-wise weights times activations quantized
-// on the fly to int8, the integer products summed with vpmaddubsw/vpmaddwd.
+// on the fly to int8, the integer products summed with vpmaddubsw/vpmaddwd (or vpdpbusd
+// where the CPU has AVX512-VNNI: `q4_vnni.cpp`).
 //
 // Why: torch's `_weight_int4pack_mm_for_cpu` runs bf16 arithmetic, which AVX2 CPUs emulate;
 // an integer dot product reads the same 4-bit weights and does 32 multiply-adds per
 // instruction.
 //
-// Layouts (written by `modelship.model.cpu_kernels.pack_q4`):
-//   qweight  uint8 [N, K/2]: per chunk of 64 input columns 32 bytes, byte i holding
-//            column i in its low nibble and column i+32 in its high nibble (u in [0, 15])
-//   scales   fp16 [N, K/G], mins fp16 [N, K/G]: W[n, k] = u * scale + min, per group of G
-//            columns (G a multiple of 64, at most 256)
+// Layouts: the weight is row-interleaved in blocks of 8 output rows (`q4_gemm.h`, written
+// by `modelship.model.cpu_kernels.pack_q4` at load time); W[n, k] = u * scale + min per
+// group of G columns (G a multiple of 64, at most 256).
 //   x        [M, K] bf16 or fp32 -> per row, per group of G: int8 q and one scale d,
 //            x ~= q * d (symmetric, round to nearest). The integer dot products of a
-//            group add up in int16 lanes, so G <= 256 keeps them from overflowing.
+//            group add up in int16 lanes on AVX2, so G <= 256 keeps them from overflowing.
 // Every output row is reduced in the same order whatever M is and however rows are tiled,
 // so a request's result never depends on which other requests share its batch.
 
@@ -25,9 +24,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "q4_gemm.h"
 
 namespace modelship {
 
@@ -64,12 +65,7 @@ using modelship::hsum;
 using modelship::QuantizedActivations;
 using modelship::quantize_row;
 
-constexpr int64_t kChunk = 64;   // columns per 32 packed bytes
-constexpr int kRowTile = 4;  // activation rows sharing one unpacked weight chunk
-// A few rows (decode of one or two streams) read each weight once and wait on memory: the
-// weight rows this far ahead are prefetched (batch-1 decode of the demo model's 30 layers:
-// 9.2 -> 7.0 ms on one thread). Batches of 4+ rows are compute-bound and skip it.
-constexpr int64_t kPrefetchRows = 16;
+constexpr int kRowTile = 4;  // W8A8: activation rows sharing one weight row
 
 QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1);
@@ -97,100 +93,48 @@ QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t G) {
   return a;
 }
 
-// Output columns n .. n + NT - 1 for activation rows m0 .. m0 + R - 1; R and NT are template
-// arguments so that the accumulators live in registers. Batches of 4+ rows share each
-// unpacked weight chunk across rows (R = 4, NT = 1); a few rows (decode of one or two
-// streams) share each activation load across NT = 4 weight rows instead, and prefetch.
-template <int R, int NT, bool Prefetch, typename OutT>
-inline void q4_tile(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
-                    const c10::Half* mins, int64_t m0, int64_t n, int64_t N, int64_t K,
-                    int64_t G, OutT* out) {
-  const int64_t num_groups = K / G;
-  const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][NT];
-  float min_term[R][NT];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NT; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      min_term[r][c] = 0.0f;
-    }
+struct DotAvx2 {
+  using Sum = __m256i;  // int16 lanes; |.| <= G / 64 * 2 * 2 * 15 * 127 < 2^15 for G <= 256
+  static constexpr int kRows = 1;  // 16 vector registers: one row's 8 accumulators
+  static inline Sum zero() { return _mm256_setzero_si256(); }
+  static inline Sum add(Sum sum, __m256i lo, __m256i q_lo, __m256i hi, __m256i q_hi) {
+    return _mm256_add_epi16(
+        sum, _mm256_add_epi16(_mm256_maddubs_epi16(lo, q_lo), _mm256_maddubs_epi16(hi, q_hi)));
   }
-  const int8_t* q_tile = a.q.data() + m0 * K;
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m256i isum[R][NT];  // int16 lanes; |.| <= G / 64 * 2 * 2 * 15 * 127 < 2^15 for G <= 256
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < NT; ++c) isum[r][c] = _mm256_setzero_si256();
-    }
-    for (int64_t col = g * G; col < (g + 1) * G; col += kChunk) {
-      __m256i lo[NT], hi[NT];
-      for (int c = 0; c < NT; ++c) {
-        const uint8_t* w = qweight + (n + c) * (K / 2) + col / 2;
-        if (Prefetch && n + c + kPrefetchRows < N) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * (K / 2)), _MM_HINT_T0);
-        }
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-        lo[c] = _mm256_and_si256(bytes, low_mask);  // columns col .. col + 31
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);  // col + 32 .. + 63
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = q_tile + r * K + col;
-        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-        const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
-        for (int c = 0; c < NT; ++c) {
-          isum[r][c] = _mm256_add_epi16(
-              isum[r][c], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], q0),
-                                           _mm256_maddubs_epi16(hi[c], q1)));
-        }
-      }
-    }
-    for (int c = 0; c < NT; ++c) {
-      const int64_t sg = (n + c) * num_groups + g;
-      const float s = _cvtsh_ss(scales[sg].x);  // F16C, not c10::Half's bit-twiddling
-      const float mn = _cvtsh_ss(mins[sg].x);
-      for (int r = 0; r < R; ++r) {
-        const int64_t ag = (m0 + r) * num_groups + g;
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r][c], ones));
-        acc[r][c] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * a.d[ag]), acc[r][c]);
-        min_term[r][c] += mn * a.qsum[ag];
-      }
-    }
+  static inline __m256 to_ps(Sum sum) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < NT; ++c) {
-      out[(m0 + r) * N + n + c] = static_cast<OutT>(hsum(acc[r][c]) + min_term[r][c]);
-    }
-  }
+};
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw");
+  return has;
 }
 
-// Rows m0 .. m0 + R - 1 against output columns [n_begin, n_end).
-template <int R, typename OutT>
-inline void q4_few_rows(const QuantizedActivations& a, const uint8_t* qweight,
-                        const c10::Half* scales, const c10::Half* mins, int64_t m0,
-                        int64_t n_begin, int64_t n_end, int64_t N, int64_t K, int64_t G,
-                        OutT* out) {
-  int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
-    q4_tile<R, 4, true>(a, qweight, scales, mins, m0, n, N, K, G, out);
-  }
-  for (; n < n_end; ++n) q4_tile<R, 1, true>(a, qweight, scales, mins, m0, n, N, K, G, out);
+// "auto": VNNI where the CPU has it; "avx2" and "vnni" force one (tests compare them).
+bool use_vnni(const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "vnni",
+              "isa must be auto, avx2 or vnni, not ", isa);
+  TORCH_CHECK(isa != "vnni" || cpu_has_vnni(), "this CPU has no AVX512-VNNI");
+  return isa == "vnni" || (isa == "auto" && cpu_has_vnni());
 }
 
-template <typename OutT>
-void q4_rows(const QuantizedActivations& a, const uint8_t* qweight, const c10::Half* scales,
-             const c10::Half* mins, int64_t M, int64_t N, int64_t K, int64_t G, OutT* out) {
-  at::parallel_for(0, N, 16, [&](int64_t n_begin, int64_t n_end) {
-    const int64_t m0 = M / kRowTile * kRowTile;  // rows past m0 go in a few-rows tile
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      for (int64_t m = 0; m < m0; m += kRowTile) {
-        q4_tile<kRowTile, 1, false>(a, qweight, scales, mins, m, n, N, K, G, out);
-      }
-    }
-    switch (M - m0) {
-      case 3: q4_few_rows<3>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
-      case 2: q4_few_rows<2>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
-      case 1: q4_few_rows<1>(a, qweight, scales, mins, m0, n_begin, n_end, N, K, G, out); break;
-      default: break;
+// out [M, N] fp32 for M rows of `a`; threads take blocks of 8 output rows.
+void q4_rows(const QuantizedActivations& a, const modelship::Q4Weight& w, int64_t M, bool vnni,
+             float* out) {
+  const int64_t num_blocks = (w.N + kBlockRows - 1) / kBlockRows;
+  const auto* scales = reinterpret_cast<const uint16_t*>(w.scales);
+  const auto* mins = reinterpret_cast<const uint16_t*>(w.mins);
+  at::parallel_for(0, num_blocks, 2, [&](int64_t b_begin, int64_t b_end) {
+    std::vector<__m256i> scratch(M > 2 ? w.K / kChunkCols * 16 : 0);
+    if (vnni) {
+      modelship::q4x8_blocks_vnni(a.q.data(), a.d.data(), a.qsum.data(), w.qweight, scales,
+                                  mins, M, w.N, w.K, w.G, b_begin, b_end, scratch.data(), out);
+    } else {
+      q4x8_blocks<DotAvx2>(ActivationRows{a.q.data(), a.d.data(), a.qsum.data()}, w.qweight,
+                           scales, mins, M, w.N, w.K, w.G, b_begin, b_end, scratch.data(), out);
     }
   });
 }
@@ -253,38 +197,53 @@ void q8_rows(const QuantizedActivations& a, const int8_t* qweight, const float* 
 
 void modelship::q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M,
                           float* out) {
-  q4_rows<float>(a, w.qweight, w.scales, w.mins, M, w.N, w.K, w.G, out);
+  q4_rows(a, w, M, use_vnni("auto"), out);
 }
 
-// x [M, K] (bf16 or fp32, contiguous) -> [M, N] in x's dtype.
+// x [M, K] (bf16 or fp32, contiguous), the weight in `q4_gemm.h`'s layout with
+// qweight [ceil(N / 8), 4 K] -> [M, 8 ceil(N / 8)] in x's dtype (the padding rows' outputs are
+// zero; the caller drops them).
 torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const torch::Tensor& mins,
-                        int64_t group_size) {
+                        int64_t group_size, const std::string& isa) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "x must be bf16 or fp32");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(), "qweight: uint8");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf,
-              "scales and mins: fp16");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  TORCH_CHECK(group_size % kChunk == 0 && group_size <= 256 && K % group_size == 0,
-              "group_size must be a multiple of 64 (at most 256) dividing K");
-  TORCH_CHECK(qweight.size(1) * 2 == K, "qweight must be [N, K/2]");
-  TORCH_CHECK(scales.size(0) == N && scales.size(1) == K / group_size, "scales: [N, K/G]");
-  TORCH_CHECK(mins.sizes() == scales.sizes(), "mins: [N, K/G]");
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0) return out;
+  const int64_t M = x.size(0), K = x.size(1);
+  const modelship::Q4Weight w = modelship::q4_weight(qweight, scales, mins, K, "q4_linear");
+  TORCH_CHECK(w.G == group_size, "group_size ", group_size, " but scales give ", w.G);
+  const bool vnni = use_vnni(isa);
+  auto out = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out.to(x.scalar_type());
   const QuantizedActivations a = quantize_activations(x, group_size);
-  const auto* w = qweight.data_ptr<uint8_t>();
-  const auto* s = scales.data_ptr<c10::Half>();
-  const auto* mn = mins.data_ptr<c10::Half>();
-  if (x.scalar_type() == at::kBFloat16) {
-    q4_rows<c10::BFloat16>(a, w, s, mn, M, N, K, group_size, out.data_ptr<c10::BFloat16>());
-  } else {
-    q4_rows<float>(a, w, s, mn, M, N, K, group_size, out.data_ptr<float>());
-  }
-  return out;
+  q4_rows(a, w, M, vnni, out.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());  // round to nearest even
 }
+
+modelship::Q4Weight modelship::q4_weight(const torch::Tensor& qweight,
+                                         const torch::Tensor& scales, const torch::Tensor& mins,
+                                         int64_t K, const char* name) {
+  TORCH_CHECK(K > 0 && K % kChunkCols == 0, name, ": K must be a multiple of 64");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.dim() == 2 && qweight.size(1) == 4 * K,
+              name, ": qweight must be contiguous uint8 [ceil(N / 8), 4 K] with K = ", K);
+  const int64_t num_blocks = qweight.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
+                  scales.is_contiguous() && mins.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == num_blocks && scales.size(2) == kBlockRows &&
+                  scales.sizes() == mins.sizes(),
+              name, ": scales and mins must be contiguous fp16 [ceil(N / 8), K / G, 8]");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(groups > 0 && K % groups == 0, name, ": K / G groups");
+  const int64_t G = K / groups;
+  TORCH_CHECK(G % kChunkCols == 0 && G <= 256, name,
+              ": group size a multiple of 64, at most 256");
+  return {qweight.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(),
+          num_blocks * kBlockRows, K, G};
+}
+
+// Which instruction set `q4_linear` with isa "auto" runs: "vnni" or "avx2".
+std::string q4_isa() { return cpu_has_vnni() ? "vnni" : "avx2"; }
 
 // x [M, K] (bf16 or fp32, contiguous), qweight int8 [N, K], wscales fp32 [N]: W = q * scale.
 // Activations are quantized per group of `group_size` columns -> [M, N] fp32.
@@ -309,7 +268,10 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& qweight,
 
 TORCH_LIBRARY(modelship, m) {
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor wscales, int group_size) -> Tensor");
-  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size) -> Tensor");
+  m.def(
+      "q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor mins, int group_size, "
+      "str isa=\"auto\") -> Tensor");
+  m.def("q4_isa() -> str", &q4_isa);  // no tensor to dispatch on: one implementation
 }
 
 TORCH_LIBRARY_IMPL(modelship, CPU, m) {

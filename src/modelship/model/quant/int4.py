@@ -140,8 +140,9 @@ class W4A8Linear(nn.Module):
     About twice as fast as `Int4Linear` on AVX2 CPUs (no native bf16): activations are
     quantized per row and weight group to int8 on the fly and the products summed in
     integers, as llama.cpp's Q4 x Q8 dot product does. Each output row is computed the same
-    way whatever else is in the batch (batch-invariant). Holds `qweight` [out, in / 2]
-    uint8 and `scales`/`mins` [out, in / group_size] fp16 (`cpu_kernels.pack_q4`).
+    way whatever else is in the batch (batch-invariant). Holds the weight repacked at load
+    time in the kernel's row-interleaved layout (`cpu_kernels.pack_q4`: 8 output rows per
+    block, `qweight` [ceil(out / 8), 4 in] uint8, `scales`/`mins` fp16).
     """
 
     def __init__(
@@ -151,13 +152,15 @@ class W4A8Linear(nn.Module):
         mins: torch.Tensor,
         group_size: int,
         bias: torch.Tensor | None,
+        out_features: int,
     ) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         self.group_size = group_size
-        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] // 4
+        self.out_features = out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
@@ -174,7 +177,7 @@ class W4A8Linear(nn.Module):
             raise ValueError(
                 f"the W4A8 kernel does not take in={in_features} group_size={group_size}"
             )
-        return cls(*cpu_kernels.pack_q4(u, scale, zero_point), group_size, bias)
+        return cls(*cpu_kernels.pack_q4(u, scale, zero_point), group_size, bias, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out], x's dtype
         dtype = x.dtype
@@ -183,6 +186,8 @@ class W4A8Linear(nn.Module):
         y = cpu_kernels.q4_linear(
             x.contiguous(), self.qweight, self.scales, self.mins, self.group_size
         )
+        if y.shape[1] != self.out_features:  # the last block's padding rows
+            y = y[:, : self.out_features]
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.to(dtype)

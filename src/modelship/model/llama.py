@@ -37,7 +37,7 @@ from modelship.model.layers import (
     apply_rope_,
 )
 from modelship.model.lora import LoRAContext, attach_lora
-from modelship.model.moe import MoEMLP, expert_names
+from modelship.model.moe import MoEMLP, moe_block
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
 from modelship.model.quant.int8 import W8A8Linear, int8_head_supports
 
@@ -66,8 +66,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = linear([f"{attn}.o_proj"], False)
         self.mlp: GatedMLP | MoEMLP
         if config.moe is not None and index in config.moe.sparse_layers:
-            names = expert_names(config.architecture)
-            self.mlp = MoEMLP(config, f"{prefix}.{names.block}", linear, names)
+            self.mlp = MoEMLP(config, f"{prefix}.{moe_block(config.architecture)}", linear)
         else:
             self.mlp = GatedMLP(
                 linear([f"{mlp}.gate_proj", f"{mlp}.up_proj"], False),

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from modelship.model import cpu_kernels
 from modelship.model.config import ModelConfig
-from modelship.model.moe import expert_names
+from modelship.model.moe import moe_block
 from modelship.model.quant import create_quantization
 from modelship.model.quant.int4 import cuda_kernel_available
 from modelship.model.quant.int8 import LM_HEADS
@@ -25,15 +25,16 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_WEIGHT = re.compile(r"(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
-# expert projection (Qwen/OLMoE names, Mixtral's) -> (stacked tensor, half of its rows or None)
+_EXPERT_MODULE = re.compile(r"(?P<expert>.+\.experts\.\d+)\.(?P<proj>\w+)")
+# expert projection -> (stacked tensor, half of its rows or None)
 _STACKED_PARTS = {
     "gate_proj": ("gate_up_proj", 0),
-    "w1": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
-    "w3": ("gate_up_proj", 1),
     "down_proj": ("down_proj", None),
-    "w2": ("down_proj", None),
 }
+# Mixtral's original expert names (its Hub checkpoints; transformers 5 saves them back that
+# way) for transformers 5's, which llm-compressor's int4 checkpoints keep.
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Projections some checkpoints store fused (Phi-3): part -> the fused tensor's name.
 _FUSED_PARTS = {
     "q_proj": "qkv_proj",
@@ -77,7 +78,19 @@ class _Checkpoint:
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 self.location[name] = handle
+        self.modules = {name.rpartition(".")[0] for name in self.location}
         self.used: set[str] = set()
+
+    def module(self, name: str) -> str:
+        """The checkpoint's name for module `name`: `name` itself, or for an expert
+        projection the checkpoint has only under Mixtral's original spelling, that one
+        (`...experts.3.gate_proj` -> `...experts.3.w1`). Quantization schemes then match
+        their targets and ignore lists against the names the checkpoint was written with."""
+        match = _EXPERT_MODULE.fullmatch(name)
+        if name in self.modules or match is None or match["proj"] not in _MIXTRAL_EXPERT_NAMES:
+            return name
+        original = f"{match['expert']}.{_MIXTRAL_EXPERT_NAMES[match['proj']]}"
+        return original if original in self.modules else name
 
     def get(self, name: str) -> torch.Tensor:
         handle = self.location.get(name)
@@ -200,7 +213,8 @@ def load_model(
         get = checkpoint.get if shard is None else shard.slicer(checkpoint.get)
 
         def linear(prefixes: list[str], bias: bool) -> torch.nn.Module:
-            return quantization.load_linear(get, prefixes, bias, dtype, device)
+            modules = [checkpoint.module(prefix) for prefix in prefixes]
+            return quantization.load_linear(get, modules, bias, dtype, device)
 
         model = create_model(config if shard is None else shard.config, linear, max_positions,
                              device)  # fmt: skip
@@ -259,7 +273,7 @@ def _wants_int8_head(
 def _checkpoint_name(name: str, architecture: str) -> str:
     """Our parameter name -> HF's: we drop the `model.` and `self_attn.` module levels, and
     call every MLP `mlp` (Mixtral's MoE block is `block_sparse_moe`)."""
-    block = expert_names(architecture).block
+    block = moe_block(architecture)
     if block != "mlp":
         name = name.replace(".mlp.", f".{block}.")
     for norm in (".q_norm.", ".k_norm."):

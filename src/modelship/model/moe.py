@@ -21,8 +21,6 @@ the router still scores all experts, and the caller sums the ranks' shares
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,23 +28,15 @@ from torch import nn
 from modelship.model.config import ModelConfig, MoEConfig
 from modelship.model.layers import GatedMLP, LinearFactory
 
-
-@dataclass(frozen=True)
-class ExpertNames:
-    """Checkpoint names of one family's MoE block: `<layer>.<block>.experts.<e>.<gate|up|down>`
-    and the router `<layer>.<block>.gate`."""
-
-    block: str = "mlp"
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    down: str = "down_proj"
+# The module holding a layer's router and experts (`<layer>.<block>.gate`,
+# `<layer>.<block>.experts.<e>.<gate|up|down>_proj`) where a family does not call it `mlp`.
+# Experts are asked for under transformers 5's projection names; the loader finds Mixtral's
+# original `w1/w3/w2` where a checkpoint uses them (`loader._Checkpoint.module`).
+_BLOCKS = {"MixtralForCausalLM": "block_sparse_moe"}
 
 
-_NAMES = {"MixtralForCausalLM": ExpertNames("block_sparse_moe", "w1", "w3", "w2")}
-
-
-def expert_names(architecture: str) -> ExpertNames:
-    return _NAMES.get(architecture, ExpertNames())
+def moe_block(architecture: str) -> str:
+    return _BLOCKS.get(architecture, "mlp")
 
 
 class _GateWeight(nn.Module):
@@ -77,9 +67,7 @@ class Router(_GateWeight):
 class MoEMLP(nn.Module):
     """The routed MLP of one layer (plus Qwen2-MoE's gated shared expert)."""
 
-    def __init__(
-        self, config: ModelConfig, prefix: str, linear: LinearFactory, names: ExpertNames
-    ) -> None:
+    def __init__(self, config: ModelConfig, prefix: str, linear: LinearFactory) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None, "a dense config has no experts"
@@ -92,8 +80,8 @@ class MoEMLP(nn.Module):
             expert = f"{prefix}.experts.{e}"
             self.experts.append(
                 GatedMLP(
-                    linear([f"{expert}.{names.gate}", f"{expert}.{names.up}"], False),
-                    linear([f"{expert}.{names.down}"], False),
+                    linear([f"{expert}.gate_proj", f"{expert}.up_proj"], False),
+                    linear([f"{expert}.down_proj"], False),
                     moe.intermediate_size,
                 )
             )

@@ -76,6 +76,7 @@ def test_dense_fp16_takes_two_16gib_gpus_where_int4_takes_one(tmp_path: Path) ->
     fp16 = engine_pod(folder, ["fp16", "gptq"], gpu_memory="16Gi")
     assert fp16["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert fp16["args"][fp16["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert "--expert-parallel" not in fp16["args"]  # dense: its layers split by heads
     # host memory holds the weights while they load, plus the runtime
     assert memory_bytes(fp16["resources"]["requests"]["memory"]) > 15 * GiB
     int4 = engine_pod(folder, ["gptq"], gpu_memory="16Gi")  # ~4.4 GiB
@@ -93,8 +94,11 @@ def test_moe_is_sized_by_all_its_experts_not_the_active_ones(tmp_path: Path) -> 
     folder = write_config(tmp_path, QWEN3_30B_A3B)
     big = engine_pod(folder, ["fp16"], gpu_memory="80Gi")
     assert big["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "--expert-parallel" not in big["args"]
     small = engine_pod(folder, ["fp16"], gpu_memory="40Gi")
     assert small["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    # the engine refuses to split a mixture of experts over ranks unless it shards them
+    assert "--expert-parallel" in small["args"]
     assert memory_bytes(small["resources"]["requests"]["memory"]) > 56 * GiB
     limit = memory_bytes(small["resources"]["limits"]["memory"])
     assert limit >= 1.25 * memory_bytes(small["resources"]["requests"]["memory"]) - 2**20

@@ -151,11 +151,18 @@ def engine_flags(ctx: RenderContext) -> list[str]:
 
 def replica_options(ctx: RenderContext, **overrides: Any) -> ServeOptions:
     """The config's replica options, with one tensor-parallel rank per GPU the pod gets
-    (`ctx.serving` raises the count to what the model needs)."""
+    (`ctx.serving` raises the count to what the model needs), and a mixture-of-experts
+    model on several ranks sharding its experts (`--expert-parallel`)."""
     options = ctx.config.replica_options(**overrides)
     gpu = ctx.serving.gpu
+    update: dict[str, Any] = {}
     if gpu is not None and gpu.count > options.engine.tensor_parallel_size:
-        engine = options.engine.model_copy(update={"tensor_parallel_size": gpu.count})
+        update["tensor_parallel_size"] = gpu.count
+    ranks = update.get("tensor_parallel_size", options.engine.tensor_parallel_size)
+    if ctx.size is not None and ctx.size.mixture_of_experts and ranks > 1:
+        update["expert_parallel"] = True
+    if update:
+        engine = options.engine.model_copy(update=update)
         options = options.model_copy(update={"engine": engine})
     return options
 

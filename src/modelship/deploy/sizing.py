@@ -63,12 +63,15 @@ class ParameterCount:
 
 @dataclass(frozen=True)
 class ServingSize:
-    """One replica's needs, in bytes, and its GPU count (0 on CPU)."""
+    """One replica's needs, in bytes, and its GPU count (0 on CPU). A mixture-of-experts
+    model on several GPUs shards its experts (`--expert-parallel`): our engine refuses to
+    split one over tensor-parallel ranks otherwise."""
 
     weight_bytes: int
     kv_cache_bytes: int
     host_memory_bytes: int
     num_gpus: int
+    mixture_of_experts: bool = False
 
     @property
     def host_memory_limit_bytes(self) -> int:
@@ -149,12 +152,14 @@ def size_replica(config: ModelshipConfig, model: ModelConfig) -> ServingSize:
     budget = 0 if engine.kv_cache_memory_fraction is not None else engine.kv_cache_memory_mb
     kv = max(budget * 1024**2, one_sequence)  # a fraction of free memory: at least one
     host = weights + HOST_OVERHEAD_BYTES + (0 if on_gpu else kv)
+    moe = model.moe is not None
     if not on_gpu:
-        return ServingSize(weights, kv, host, 0)
+        return ServingSize(weights, kv, host, 0, moe)
     usable = float(parse_quantity(gpu.memory)) * GPU_MEMORY_USABLE
     for count in TENSOR_PARALLEL_SIZES:
-        if model.num_heads % count == 0 and (weights + kv) / count + CUDA_CONTEXT_BYTES <= usable:
-            return ServingSize(weights, kv, host, count)
+        shards = model.num_heads % count == 0 and (not moe or model.moe.num_experts % count == 0)
+        if shards and (weights + kv) / count + CUDA_CONTEXT_BYTES <= usable:
+            return ServingSize(weights, kv, host, count, moe)
     raise SizingError(
         f"deploy.serving.gpu.memory: {gpu.memory} per GPU does not hold the model on up to "
         f"{TENSOR_PARALLEL_SIZES[-1]} GPUs ({_gib(weights)} of weights and {_gib(kv)} of KV "

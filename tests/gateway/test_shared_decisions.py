@@ -34,7 +34,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     process = RedisProcess(tmp_path_factory.mktemp("redis") / "redis.log")
     process.start()
     yield process
-    process.stop()
+    process.close()
 
 
 @pytest.fixture

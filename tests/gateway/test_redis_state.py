@@ -6,7 +6,6 @@ gateway that dies holding slots gives them back after their lease."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -18,14 +17,6 @@ from modelship.gateway.tenant_state import LocalTenantState
 from redis_process import RedisProcess
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    process = RedisProcess(tmp_path_factory.mktemp("redis") / "redis.log")
-    process.start()
-    yield process
-    process.close()
 
 
 def make_tenant(name: str, **limits) -> Tenant:
@@ -43,11 +34,11 @@ def gateways(
     ]
 
 
-def test_concurrency_slots_are_shared_and_given_back(server: RedisProcess) -> None:
+def test_concurrency_slots_are_shared_and_given_back(redis_server: RedisProcess) -> None:
     tenant = make_tenant("slots", max_concurrent=3)
 
     async def scenario() -> None:
-        a, b = gateways(server.url)
+        a, b = gateways(redis_server.url)
         first = await a.admit(tenant, "m", 10, 8, num_sequences=2)
         second = await b.admit(tenant, "m", 10, 8)
         assert first.ok and second.ok and first.hold_id != second.hold_id
@@ -65,12 +56,12 @@ def test_concurrency_slots_are_shared_and_given_back(server: RedisProcess) -> No
 
 
 def test_token_reservations_are_shared_and_refunds_reach_every_gateway(
-    server: RedisProcess,
+    redis_server: RedisProcess,
 ) -> None:
     tenant = make_tenant("metered", tokens_per_minute=100)
 
     async def scenario() -> None:
-        a, b = gateways(server.url)
+        a, b = gateways(redis_server.url)
         taken = await a.admit(tenant, "m", 20, 40)  # 20 in + 40 out reserved
         assert taken.ok and taken.num_reserved_tokens == 60
         waits = await b.admit(tenant, "m", 20, 40)  # 40 left
@@ -89,7 +80,7 @@ def test_token_reservations_are_shared_and_refunds_reach_every_gateway(
     asyncio.run(scenario())
 
 
-def test_requests_per_minute_answer_as_the_local_limiter_does(server: RedisProcess) -> None:
+def test_requests_per_minute_answer_as_the_local_limiter_does(redis_server: RedisProcess) -> None:
     tenant = make_tenant("rpm", requests_per_minute=3)
 
     async def answers(states: list) -> list[tuple[bool, int, str]]:
@@ -97,7 +88,7 @@ def test_requests_per_minute_answer_as_the_local_limiter_does(server: RedisProce
         return [(d.ok, d.status_code, d.message) for d in decisions]
 
     async def scenario() -> None:
-        a, b = gateways(server.url)
+        a, b = gateways(redis_server.url)
         shared = await answers([a, a, b, b, b])
         local = await answers([LocalTenantState()] * 5)
         assert shared == local  # 3 admitted, then "at most 3 requests per minute" (429)
@@ -108,11 +99,11 @@ def test_requests_per_minute_answer_as_the_local_limiter_does(server: RedisProce
     asyncio.run(scenario())
 
 
-def test_a_dead_gateways_slots_come_back_after_their_lease(server: RedisProcess) -> None:
+def test_a_dead_gateways_slots_come_back_after_their_lease(redis_server: RedisProcess) -> None:
     tenant = make_tenant("lease", max_concurrent=1)
 
     async def scenario() -> None:
-        dead, alive = gateways(server.url, slot_lease_s=1.0)
+        dead, alive = gateways(redis_server.url, slot_lease_s=1.0)
         assert (await dead.admit(tenant, "m", 1, 1)).ok  # never settled: its gateway died
         await dead.close()
         assert not (await alive.admit(tenant, "m", 1, 1)).ok
@@ -141,18 +132,18 @@ def test_a_tenant_without_quotas_never_reaches_the_store() -> None:
     asyncio.run(scenario())
 
 
-def test_a_settle_that_failed_is_sent_again_and_applied_once(server: RedisProcess) -> None:
+def test_a_settle_that_failed_is_sent_again_and_applied_once(redis_server: RedisProcess) -> None:
     tenant = make_tenant("resent", tokens_per_minute=100, max_concurrent=1)
 
     async def scenario() -> None:
         registry = CollectorRegistry()
-        a, b = gateways(server.url, registry=registry)
+        a, b = gateways(redis_server.url, registry=registry)
         a.settle_retry_delays_s = (0.5,) * 8  # bounded: 4 s
         taken = await a.admit(tenant, "m", 20, 40)  # 60 of 100 reserved, the one slot
         assert taken.ok
         # The store takes no writes for 1.5 s: the settle times out (0.5 s) and is sent
         # again until it lands.
-        pause = redis.Redis(port=server.port)
+        pause = redis.Redis(port=redis_server.port)
         pause.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
         pause.close()
         a.settle(tenant, taken, -30, 1)  # used 30 of its 60: 70 left once applied
@@ -164,7 +155,7 @@ def test_a_settle_that_failed_is_sent_again_and_applied_once(server: RedisProces
         refused = await b.admit(tenant, "m", 10, 0)  # the slot is b's now
         assert refused.reason is RefusalReason.MAX_CONCURRENT
         await b.close()
-        (c,) = gateways(server.url, num=1)
+        (c,) = gateways(redis_server.url, num=1)
         # Refunded once: about 50 left, 75 do not fit (refunded twice, 80 would: 75 does).
         over = await c.admit(make_tenant("resent", tokens_per_minute=100), "m", 20, 55)
         assert over.reason is RefusalReason.TOKENS_PER_MINUTE

@@ -29,22 +29,16 @@ from bad_replica import BadReplica
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    process = RedisProcess(tmp_path_factory.mktemp("redis") / "redis.log")
-    process.start()
-    yield process
-    process.close()
-
-
 @pytest.fixture
-def start_gateway(tmp_path: Path, store: RedisProcess) -> Iterator[Callable[..., GatewayProcess]]:
+def start_gateway(
+    tmp_path: Path, redis_server: RedisProcess
+) -> Iterator[Callable[..., GatewayProcess]]:
     started: list[GatewayProcess] = []
 
     def start(config: dict, *endpoint_args: str) -> GatewayProcess:
         folder = tmp_path / f"gateway-{len(started)}"
         folder.mkdir()
-        gateway = {**config, "state": store.url}
+        gateway = {**config, "state": redis_server.url}
         process = GatewayProcess(folder, gateway, *endpoint_args, "--engine", "vllm")
         started.append(process)
         process.wait_ready(60)

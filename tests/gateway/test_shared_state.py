@@ -33,14 +33,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    process = RedisProcess(tmp_path_factory.mktemp("redis") / "redis.log")
-    process.start()
-    yield process
-    process.close()
-
-
-@pytest.fixture(scope="module")
 def replica() -> Iterator[VllmStandIn]:
     server = VllmStandIn()
     yield server
@@ -62,11 +54,11 @@ def start_gateway(tmp_path: Path, replica: VllmStandIn, state: str, failure: str
 
 @pytest.fixture(scope="module")
 def gateways(
-    store: RedisProcess, replica: VllmStandIn, tmp_path_factory: pytest.TempPathFactory
+    redis_server: RedisProcess, replica: VllmStandIn, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
-    closed = start_gateway(tmp_path_factory.mktemp("closed"), replica, store.url, "closed")
+    closed = start_gateway(tmp_path_factory.mktemp("closed"), replica, redis_server.url, "closed")
     try:
-        opened = start_gateway(tmp_path_factory.mktemp("open"), replica, store.url, "open")
+        opened = start_gateway(tmp_path_factory.mktemp("open"), replica, redis_server.url, "open")
     except BaseException:
         closed.stop()
         raise
@@ -98,11 +90,11 @@ def test_a_tenants_requests_per_minute_hold_across_both_gateways(
 
 
 def test_a_lost_store_refuses_when_closed_and_admits_when_open(
-    gateways: tuple[GatewayProcess, GatewayProcess], store: RedisProcess
+    gateways: tuple[GatewayProcess, GatewayProcess], redis_server: RedisProcess
 ) -> None:
     closed, opened = gateways
     assert post(closed, CAPPED).status_code == 200
-    store.stop()  # killed: lost, as a crashed or unreachable Redis
+    redis_server.stop()  # killed: lost, as a crashed or unreachable Redis
     try:
         refused = post(closed, CAPPED)
         assert refused.status_code == 503, refused.text
@@ -115,7 +107,7 @@ def test_a_lost_store_refuses_when_closed_and_admits_when_open(
             assert failures >= 1
             assert "tenant quota store did not answer" in gateway.log_tail(200)
     finally:
-        store.start()
+        redis_server.start()
     for _ in range(50):  # a connection the store dropped may fail once more; bounded
         if post(closed, CAPPED).status_code == 200:
             break

@@ -265,16 +265,18 @@ def test_w4a8_pads_output_rows_to_whole_blocks() -> None:
     not cpu_kernels.load() or cpu_kernels.q4_kernel_isa() != "vnni",
     reason="the VNNI path needs a CPU with AVX512-VNNI",
 )
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 5, 16, 37, 128])
 def test_w4a8_vnni_and_avx2_paths_give_the_same_bits(num_rows: int) -> None:
     # the two instruction sets sum the same integers per lane, then run one float epilogue:
-    # a replica's output must not depend on which CPU of a fleet serves it
+    # a replica's output must not depend on which CPU of a fleet serves it. The VNNI path
+    # tiles rows by 4 in passes sized to L1 (40 rows at 576 columns, 16 at 1536): 5 and 37
+    # rows end in a smaller tile, 128 in several passes; 100 outputs end in a partial block
     gen = torch.Generator().manual_seed(num_rows)
-    for in_features, group_size in ((576, 64), (1536, 64), (512, 256)):
+    for out_features, in_features, group_size in ((96, 576, 64), (100, 1536, 64), (96, 512, 256)):
         groups = in_features // group_size
-        u = torch.randint(0, 16, (96, in_features), generator=gen, dtype=torch.int32)
-        scale = torch.rand(96, groups, generator=gen) * 0.05
-        zero_point = torch.randint(-8, 8, (96, groups), generator=gen, dtype=torch.int32)
+        u = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+        scale = torch.rand(out_features, groups, generator=gen) * 0.05
+        zero_point = torch.randint(-8, 8, scale.shape, generator=gen, dtype=torch.int32)
         packed = cpu_kernels.pack_q4(u, scale, zero_point)
         x = torch.randn(num_rows, in_features, generator=gen)
         for xd in (x, x.bfloat16()):

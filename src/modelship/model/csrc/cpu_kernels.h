@@ -84,7 +84,7 @@ Q4Weight q4_weight(const torch::Tensor& qweight, const torch::Tensor& scales,
 void q4_matmul(const QuantizedActivations& a, const Q4Weight& w, int64_t M, float* out);
 
 // `q4_vnni.cpp`: blocks [b_begin, b_end) of a weight on AVX512-VNNI (only call where the CPU
-// has it). scratch: K / 4 vectors when M > 2.
+// has it). scratch: K / 4 vectors, 64-byte aligned, when M > 2.
 void q4x8_blocks_vnni(const int8_t* q, const float* d, const float* qsum,
                       const uint8_t* qweight, const uint16_t* scales, const uint16_t* mins,
                       int64_t M, int64_t N, int64_t K, int64_t G, int64_t b_begin,

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -128,13 +129,16 @@ void q4_rows(const QuantizedActivations& a, const modelship::Q4Weight& w, int64_
   const auto* scales = reinterpret_cast<const uint16_t*>(w.scales);
   const auto* mins = reinterpret_cast<const uint16_t*>(w.mins);
   at::parallel_for(0, num_blocks, 2, [&](int64_t b_begin, int64_t b_end) {
-    std::vector<__m256i> scratch(M > 2 ? w.K / kChunkCols * 16 : 0);
+    // the unpacked block: K / 4 vectors, 64-byte aligned for the VNNI path's 512-bit loads
+    std::vector<__m256i> buffer(M > 2 ? w.K / kChunkCols * 16 + 1 : 0);
+    const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+    auto* scratch = reinterpret_cast<__m256i*>((address + 63) & ~static_cast<uintptr_t>(63));
     if (vnni) {
       modelship::q4x8_blocks_vnni(a.q.data(), a.d.data(), a.qsum.data(), w.qweight, scales,
-                                  mins, M, w.N, w.K, w.G, b_begin, b_end, scratch.data(), out);
+                                  mins, M, w.N, w.K, w.G, b_begin, b_end, scratch, out);
     } else {
       q4x8_blocks<DotAvx2>(ActivationRows{a.q.data(), a.d.data(), a.qsum.data()}, w.qweight,
-                           scales, mins, M, w.N, w.K, w.G, b_begin, b_end, scratch.data(), out);
+                           scales, mins, M, w.N, w.K, w.G, b_begin, b_end, scratch, out);
     }
   });
 }

@@ -1,8 +1,9 @@
-// The W4A8 matmul on the row-interleaved int4 layout, written once and compiled once per
-// instruction set: q4_cpu.cpp includes it for AVX2, q4_vnni.cpp for AVX512-VNNI (after its
-// `#pragma GCC target`). Everything here has internal linkage and takes raw pointers, so
-// the two copies never meet at link time (an inline function compiled for AVX-512 must not
-// stand in for the AVX2 one on a CPU without it).
+// The W4A8 matmul on the row-interleaved int4 layout: the layout, and the 256-bit kernel
+// that q4_cpu.cpp compiles for AVX2. q4_vnni.cpp includes it too (after its `#pragma GCC
+// target`) for the layout and runs its own 512-bit tile over it, with the same integers
+// and the same float epilogue. Everything here has internal linkage and takes raw pointers,
+// so the two copies never meet at link time (an inline function compiled for AVX-512 must
+// not stand in for the AVX2 one on a CPU without it).
 //
 // Layout (written by `modelship.model.cpu_kernels.pack_q4`), output rows in blocks of 8
 // (the last block padded with zero rows):
@@ -71,7 +72,7 @@ inline __m256i broadcast4(const int8_t* q) {
 //
 // The lane loop is unrolled so that acc[r][i] stays in registers: rolled, GCC kept the R x 8
 // accumulators on the stack (a load and a store per lane and group). With the chunk loop
-// also known (G = 64), a lane is straight-line code: its vpdpbusd, one conversion and one
+// also known (G = 64), a lane is straight-line code: its dot products, one conversion and one
 // fma per row. Neither changes an operation or its order, only where values live.
 template <typename Dot, int R, bool Unpacked, int Chunks>
 inline void q4x8_tile(const ActivationRows& a, const Q4Block& w, const __m256i* unpacked,

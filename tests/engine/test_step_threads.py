@@ -79,9 +79,7 @@ def test_adaptive_threads_keep_the_tokens_and_use_both_counts(tiny_llama_dir: Pa
     fixed = LLM(tiny_llama_dir, num_threads=2).generate(prompts, params)
     llm = LLM(tiny_llama_dir, num_threads=2, adaptive_threads=True)
     seen: set[int] = set()
-    llm.engine.worker.model.register_forward_pre_hook(
-        lambda *_: seen.add(torch.get_num_threads())
-    )
+    llm.engine.worker.model.register_forward_pre_hook(lambda *_: seen.add(torch.get_num_threads()))
     adaptive = llm.generate(prompts, params)
     assert seen == {1, 2}
     for a, b in zip(adaptive, fixed, strict=True):

@@ -65,10 +65,13 @@ class StepThreads:
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """A step of `num_tokens` took `seconds` on `threads` (what `apply` returned)."""
-        if self.adaptive is not None and num_tokens > 0 and not any(
-            num_tokens <= most for most, _ in self.rules
+        if (
+            self.adaptive is not None
+            and num_tokens > 0
+            and not any(num_tokens <= most for most, _ in self.rules)
         ):
             self.adaptive.record(num_tokens, threads, seconds)
+
 
 # Step sizes are grouped by their bit length (1, 2-3, 4-7, ... tokens), up to this group,
 # which takes every larger step: within a group the per-token time is comparable.
@@ -94,13 +97,14 @@ class AdaptiveThreads:
     On an idle 2-core machine two threads win (a batch-1 int4 decode step: 8.2 ms against
     11.9 ms on one); on a shared host where another process takes a core, a two-thread
     step waits at every OpenMP barrier for the descheduled thread and one thread wins by
-    10-100x (docs/performance.md, "Threads per step"). Neither holds for a replica's whole
+    10-100x (docs/performance.md, "Adaptive threads"). Neither holds for a replica's whole
     life, so each step size keeps timing both: one step on each first, then a candidate's
-    estimate is the median seconds per token of its latest (up to 3) steps, and the losing one is
-    timed again (one step, which replaces its older times) after 16 steps of that size, then after twice as many each time it loses again (at
-    most 4096), so a host that quiets down or gets busy is noticed while probing costs
-    little. The kernels compute every output the same way on any thread count, so the
-    choice changes time, never tokens."""
+    estimate is the median seconds per token of its latest (up to 3) steps, and the losing
+    one is timed again (one step, which replaces its older times) after 16 steps of that
+    size, then after twice as many each time it loses again (at most 4096), so a host that
+    quiets down or gets busy is noticed while probing costs little. The kernels compute
+    every output the same way on any thread count, so the choice changes time, never
+    tokens."""
 
     def __init__(self, threads: int) -> None:
         self.candidates = (1, threads)

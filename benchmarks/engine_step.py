@@ -1,7 +1,7 @@
 """Wall time of one engine step (decode) at fixed batch sizes, on the demo model's int4 variant.
 
     .venv/bin/python benchmarks/engine_step.py [MODEL_DIR] [--batch-sizes 1 16] [--no-fused-decoder]
-        [--threads N]
+        [--threads N] [--adaptive]
 
 Each batch size: that many greedy requests on one short prompt, 5 warm-up steps, then
 `--steps` timed `LLMEngine.step()` calls (scheduler, model, head, sampler, detokenizer).
@@ -47,23 +47,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--no-fused-decoder", action="store_true", help="layer by layer")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--adaptive", action="store_true", help="adaptive_threads: each step on 1 or all threads"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    config = EngineConfig(fused_decoder=not args.no_fused_decoder, num_threads=args.threads)
+    config = EngineConfig(
+        fused_decoder=not args.no_fused_decoder,
+        num_threads=args.threads,
+        adaptive_threads=args.adaptive,
+    )
     engine = LLMEngine(args.model, config)
     results = {}
-    print(f"{'batch':>5}{'min ms':>10}{'p10 ms':>10}{'median ms':>12}")
+    print(f"{'batch':>5}{'min ms':>10}{'p10 ms':>10}{'median ms':>12}{'mean ms':>10}")
     for batch_size in args.batch_sizes:
         seconds = time_steps(engine, batch_size, args.steps)
         row = {
             "min_ms": seconds[0] * 1e3,
             "p10_ms": seconds[len(seconds) // 10] * 1e3,
             "median_ms": statistics.median(seconds) * 1e3,
+            "mean_ms": statistics.fmean(seconds) * 1e3,
         }
         results[batch_size] = row
         print(
             f"{batch_size:>5}{row['min_ms']:>10.2f}{row['p10_ms']:>10.2f}{row['median_ms']:>12.2f}"
+            f"{row['mean_ms']:>10.2f}"
         )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

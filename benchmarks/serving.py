@@ -8,7 +8,8 @@ so no server can answer from a prompt cache), exactly 64 output tokens (EOS igno
 at concurrency 1, 8 and 16. Reported per level: output tok/s, TTFT p50/p99, ITL p50/p99.
 
 Started by this script (each alone on the machine while it is measured):
-- `modelship serve` on the demo model's best available variant (gptq, else the base);
+- `modelship serve` on each of the demo model's `--variants` (default gptq) found in the
+  storage, once per `--engine-cores` value (default auto);
 - llama.cpp's `llama-server` on the same GGUF, if a binary is found (`--llama-server`, or
   `~/.cache/modelship-peers/llama-server`; build it offline as ../shared/PEERS.md says);
 - `transformers serve` with `--with-transformers` (slow: minutes per level).
@@ -92,6 +93,10 @@ def main() -> None:
     parser.add_argument("--levels", default="1,8,16")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--variants", default="gptq", help="the demo's variants to serve")
+    parser.add_argument(
+        "--engine-cores", default="auto", help="serve --engine-core values, each its own row"
+    )
     parser.add_argument("--llama-server", type=Path, default=PEERS_DIR / "llama-server")
     parser.add_argument("--with-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=101)
@@ -110,17 +115,23 @@ def main() -> None:
     if args.url:
         rows += measure(args.url, args.url, args.model, prompts, levels, args.output_tokens)
     else:
-        gptq = storage.variant_dir(DEMO_SLUG, "gptq")
-        variant_dir, variant = (gptq, "gptq") if gptq.is_dir() else (base, "base")
-        peers = [
-            (
-                f"modelship ({variant})",
-                "http://127.0.0.1:8101",
-                [sys.executable, "-m", "modelship", "serve", str(variant_dir), "--port", "8101",
-                 "--served-model-name", args.model, "--variant", variant],
-                args.model,
-            )
-        ]  # fmt: skip
+        peers = []
+        for variant in args.variants.split(","):
+            variant_dir = storage.variant_dir(DEMO_SLUG, variant)
+            if not variant_dir.is_dir():
+                print(f"(no {variant} variant at {variant_dir}: skipped)")
+                continue
+            for core in args.engine_cores.split(","):
+                peers.append(
+                    (
+                        f"modelship ({variant}, {core})",
+                        "http://127.0.0.1:8101",
+                        [sys.executable, "-m", "modelship", "serve", str(variant_dir), "--port",
+                         "8101", "--served-model-name", args.model, "--variant", variant,
+                         "--engine-core", core],
+                        args.model,
+                    )
+                )  # fmt: skip
         if args.llama_server.is_file():
             peers.append(
                 (

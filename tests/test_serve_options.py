@@ -58,6 +58,7 @@ def every_field_set(tiny_llama_dir: Path, tmp_path: Path) -> ServeOptions:
             "kv_cache_memory_fraction": 0.5, "kv_cache_dtype": "int8", "block_size": 8,
             "max_waiting_requests": 10,
             "prefix_caching": False, "cuda_graphs": False, "cuda_graph_max_batch_size": 32,
+            "adaptive_threads": False,
             "num_speculative_tokens": 3, "speculative_by_default": True,
             "speculative_max_batch_size": 4, "speculative_draft_token_cost": 0.125,
             "tensor_parallel_size": 2, "expert_parallel": True,

@@ -63,6 +63,10 @@ class EngineConfig:
     # each output the same way on any thread count, so this changes time, never tokens
     # (`engine.step_threads`; docs/performance.md, "Threads per step").
     step_threads: tuple[tuple[int, int], ...] = ()
+    # CPU, one rank, 2+ threads, no step_threads rule for the step: each step runs on one
+    # thread or on all, whichever recent steps of its size ran faster (timed as it serves;
+    # `engine.step_threads.AdaptiveThreads`). Off here; `modelship serve` turns it on.
+    adaptive_threads: bool = False
     seed: int = 0
     # CPU int4 kernel: "auto" (modelship's W4A8 where AVX2 and the group size allow, else
     # torch's), "w4a8" or "torch" (bf16 arithmetic; `model.quant.int4`)

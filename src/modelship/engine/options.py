@@ -65,6 +65,11 @@ class EngineOptions(BaseModel):
         "(e4m3) as many (SDPA backend).",
     )
     block_size: int = Field(default=16, ge=1, description="Tokens per KV block.")
+    adaptive_threads: bool = Field(
+        default=True,
+        description="CPU: run each step on one thread or on all, whichever recent steps of "
+        "its size ran faster (a busy host makes one thread win; tokens never change).",
+    )
     max_waiting_requests: int = Field(
         default=1024, ge=0, description="Queue bound before 429 (requests)."
     )

@@ -11,6 +11,7 @@ worker only runs it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from modelship.engine.errors import KVCacheTooSmallError
 from modelship.engine.loras import LoRARegistry
 from modelship.engine.model_runner import ModelRunner, RunnerOutput
 from modelship.engine.scheduler import SchedulerOutput
-from modelship.engine.step_threads import StepThreads
+from modelship.engine.step_threads import AdaptiveThreads, StepThreads
 from modelship.engine.tensor_parallel import (
     ParallelModel,
     TensorParallelGroup,
@@ -59,7 +60,14 @@ class Worker:
         if config.num_threads or tp_size > 1:
             torch.set_num_threads(threads_per_rank(config))
         self.device = rank_device(config, 0)
-        self.step_threads = StepThreads(config.step_threads, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        adaptive = (
+            AdaptiveThreads(threads)
+            if config.adaptive_threads and threads > 1 and tp_size == 1
+            and self.device.type == "cpu"
+            else None
+        )  # fmt: skip
+        self.step_threads = StepThreads(config.step_threads, threads, adaptive)
         self.model_path = Path(model_path)
         model_config = ModelConfig.from_dir(self.model_path)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -243,10 +251,13 @@ class Worker:
         (placeholders until then), then the model runs every planned token and samples for
         the sequences that completed their known tokens. `generators` maps a sequence id to
         its sampling generator (None: greedy)."""
-        self.step_threads.apply(plan.num_batched_tokens)
+        threads = self.step_threads.apply(plan.num_batched_tokens)
+        start = time.perf_counter()
         if self.draft is not None:
             self.draft.propose([scheduled.seq for scheduled in plan.scheduled], generators)
-        return self.runner.execute(plan, generators)
+        output = self.runner.execute(plan, generators)
+        self.step_threads.record(plan.num_batched_tokens, threads, time.perf_counter() - start)
+        return output
 
     def score(self, sequences: list[list[int]]) -> Iterator[torch.Tensor]:
         """`ModelRunner.score`: the KV cache is scratch space, so no request may hold

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -25,18 +25,11 @@ import torch
 from modelship.model import cpu_kernels
 from modelship.model.kv_cache import quantize_kv
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from q4_gemm import best_of
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 STREAM_BYTES = 512 << 20
-
-
-def best_of(repeats: int, fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def random_cache(

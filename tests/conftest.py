@@ -76,3 +76,12 @@ def demo_int4_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         if (demo_model_dir / name).exists():
             (out / name).write_bytes((demo_model_dir / name).read_bytes())
     return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files marked `long` run first, in the order collected; then the rest. `make test`
+    hands pytest-xdist's workers whole files in this order (`--no-loadscope-reorder`): its
+    default order, most tests first, leaves the long end-to-end files (a few tests each, a
+    minute or several in all) for the end, where one worker runs the last of them alone
+    while the other has nothing left to take."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -40,11 +40,13 @@ run: setup
 
 # Two pytest-xdist workers, whole files each (a module's servers start once): one process
 # kept one of CI's two cores busy while its tests waited on the servers and fleets they start.
+# Files are handed out in collection order, where tests/conftest.py puts the files marked
+# `long` first, so that no long file is left to run alone at the end.
 TEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)

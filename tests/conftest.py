@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,12 +37,35 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
 
 
+def run_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test run's temp folder: one session's own, or under pytest-xdist the folder its
+    workers' session folders share (each worker is a session of its own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]):
+    """The folder `name`, built once per test run by `build(folder)` (seconds of CPU each
+    time): the first worker to ask builds it while the others wait on a lock, then all read
+    the finished folder, which appears by a rename only once complete."""
+    root = run_temp_dir(tmp_path_factory)
+    target = root / name
+    with open(root / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if not target.exists():
+            staging = tmp_path_factory.mktemp(f"{name}-building")
+            build(staging)
+            staging.rename(target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def demo_storage(tmp_path_factory: pytest.TempPathFactory) -> Storage:
-    """A storage root holding the acquired demo model (the GGUF conversion runs once)."""
+    """A storage root holding the acquired demo model, shared by the run's workers: acquire
+    is memoized and locks its target, so the GGUF conversion runs once per test run."""
     from modelship.pipeline.acquire import acquire
 
-    storage = Storage(tmp_path_factory.mktemp("demo-storage"))
+    storage = Storage(run_temp_dir(tmp_path_factory) / "demo-storage")
     acquire("demo", storage)
     return storage
 
@@ -55,7 +80,13 @@ def demo_model_dir(demo_storage: Storage) -> Path:
 @pytest.fixture(scope="session")
 def demo_int4_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model quantized with llm-compressor's round-to-nearest W4A16 at group size 64
-    (seconds): the layout the optimize stage writes, on the W4A8 kernel."""
+    (seconds): the layout the optimize stage writes, on the W4A8 kernel. Built once per run."""
+    return built_once(
+        tmp_path_factory, "demo-int4", lambda out: _quantize_demo(demo_model_dir, out)
+    )
+
+
+def _quantize_demo(demo_model_dir: Path, out: Path) -> None:
     import torch
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -69,10 +100,17 @@ def demo_int4_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         config_groups={"g": {"targets": ["Linear"], "weights": weights | {"symmetric": True}}},
     )
     oneshot(model=model, recipe=[modifier])
-    out = tmp_path_factory.mktemp("demo-int4")
     model.save_pretrained(out, save_compressed=True)
     AutoTokenizer.from_pretrained(demo_model_dir).save_pretrained(out)
     for name in ("generation_config.json",):
         if (demo_model_dir / name).exists():
             (out / name).write_bytes((demo_model_dir / name).read_bytes())
-    return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files marked `long` run first, in the order collected; then the rest. `make test`
+    hands pytest-xdist's workers whole files in this order (`--no-loadscope-reorder`): its
+    default order, most tests first, leaves the long end-to-end files (a few tests each, a
+    minute or several in all) for the end, where one worker runs the last of them alone
+    while the other has nothing left to take."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

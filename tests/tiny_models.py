@@ -46,6 +46,26 @@ def make_tokenizer(folder: Path, vocab_size: int = 320):
     return wrapped
 
 
+def tiny_settings(tokenizer, **overrides) -> dict:
+    """The config every tiny model shares: 2 layers of width 64 (MLP 96), 4 attention heads
+    over 2 KV heads, 256 positions, untied embeddings, `tokenizer`'s vocabulary and special
+    ids; `overrides` (a family's own fields, a test's shape) replace or add to them."""
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return settings | overrides
+
+
 def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     """A 2-layer Llama with GQA and a trained tokenizer, saved as safetensors in `folder`."""
     import torch
@@ -53,19 +73,7 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    settings = tiny_settings(tokenizer, intermediate_size=128, max_position_embeddings=512)
     settings.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings))
@@ -132,22 +140,7 @@ def save_tiny_moe(kind: str, folder: Path, **overrides) -> Path:
     config_cls, model_cls, specific = classes[kind]
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **specific,
-    )
-    settings.update(overrides)
+    settings = tiny_settings(tokenizer, num_experts_per_tok=2, **specific) | overrides
     torch.manual_seed(0)
     model = model_cls(config_cls(**settings))
     with torch.no_grad():
@@ -176,22 +169,14 @@ def save_tiny_gemma2(folder: Path, kind: str = "gemma2", **overrides) -> Path:
         config_cls, model_cls = (Gemma3TextConfig, Gemma3ForCausalLM)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    settings = tiny_settings(
+        tokenizer,
+        tie_word_embeddings=True,  # Gemma's own default
         head_dim=16,
         query_pre_attn_scalar=24,
         attn_logit_softcapping=1.0,
         final_logit_softcapping=0.5,
-        max_position_embeddings=256,
         sliding_window=8,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     if kind == "gemma3":
         settings.update(GEMMA3)

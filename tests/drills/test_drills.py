@@ -11,6 +11,9 @@ import pytest
 from drill.common import DrillContext, run_drill
 from drills import NOT_BY_DEFAULT, available_drills
 
+# 7 drills, about 7 minutes in CI: handed to a worker first (tests/conftest.py)
+pytestmark = pytest.mark.long
+
 QUICK_DRILLS = [name for name in available_drills() if name not in NOT_BY_DEFAULT]
 
 

@@ -25,7 +25,11 @@ from modelship.pipeline.optimize.cast import FP16, run_cast
 
 from server_process import ServerProcess
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler")
+# three demo-model variants, over a minute in CI: handed to a worker first (tests/conftest.py)
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.load(), reason="needs AVX2 and a compiler"),
+    pytest.mark.long,
+]
 
 PROMPT = (
     "<|im_start|>user\nExplain in a few sentences why the sky is blue, and what changes "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,3 +289,18 @@ def test_outputs_validate_against_generated_schemas(llm, schema, seed) -> None:
     [choice] = run(llm, [request(llm, "h", spec, temperature=1.0, seed=seed, max_tokens=300)])["h"]
     assert choice.finish_reason == "stop", (schema, choice)
     jsonschema.validate(json.loads(choice.text), schema)
+
+
+def test_a_replica_imports_no_torch_compile_machinery() -> None:
+    """llguidance.torch compiles a kernel at import, loading torch._dynamo (sympy, networkx,
+    inductor): imported with the engine, it doubled the CPU a tiny-model `modelship serve`
+    spends before it is ready (6.9 s, 3.5 s without). Only a constrained step imports it."""
+    code = (
+        "import sys; import modelship.server.launcher, modelship.engine.structured; "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy', 'llguidance.torch') "
+        "if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert loaded.stdout.strip() == "[]", loaded.stdout

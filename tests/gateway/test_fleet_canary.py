@@ -23,7 +23,8 @@ from fleet_storage import publish_release
 from tiny_models import make_tiny_llama
 
 SLUG = "tiny"
-pytestmark = pytest.mark.timeout(300)
+# about 2 minutes in CI: handed to a worker first (tests/conftest.py)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from modelship import LLM, SamplingParams
 from modelship.model import load_model
 from paged_model import BACKENDS, random_ids, run
 
-from tiny_models import make_tokenizer
+from tiny_models import make_tokenizer, tiny_settings
 
 WINDOW = 6
 
@@ -26,19 +26,7 @@ def save_tiny_mistral(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
-    config = MistralConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=WINDOW,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = MistralConfig(**tiny_settings(tokenizer, intermediate_size=128, sliding_window=WINDOW))
     torch.manual_seed(0)
     model = MistralForCausalLM(config)
     with torch.no_grad():  # sharper attention, so which keys a query sees shows in logits

@@ -13,7 +13,7 @@ from modelship.model import load_model
 from modelship.model.config import ModelConfig, ModelConfigError
 from paged_model import BACKENDS, random_ids, run
 
-from tiny_models import make_tokenizer
+from tiny_models import make_tokenizer, tiny_settings
 
 HEAD_DIM = 16  # hidden 64 over 4 heads
 PROMPT = "Continuous batching schedules requests at iteration granularity. " * 2
@@ -41,20 +41,7 @@ def save_tiny_phi3(folder: Path, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(folder)
-    settings = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    settings.update(overrides)
+    settings = tiny_settings(tokenizer, **overrides)
     scaling = settings.get("rope_scaling") or {}
     if "original_max_position_embeddings" in scaling:  # the field transformers reads first
         settings["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]

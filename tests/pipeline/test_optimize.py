@@ -13,6 +13,9 @@ from modelship.pipeline.optimize import create_scheme, optimize
 from modelship.storage import Storage, verify_artifact
 from modelship.storage.manifest import sha256_file
 
+# variants made anew, over a minute in CI: handed to a worker first (tests/conftest.py)
+pytestmark = pytest.mark.long
+
 
 @pytest.fixture
 def storage(tiny_llama_dir: Path, tmp_path: Path) -> Storage:

@@ -10,11 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from modelship.storage import Storage, read_manifest
 
 from pipeline_config import TINY
+
+# three pipeline runs, about 2 minutes in CI: handed to a worker first (tests/conftest.py)
+pytestmark = pytest.mark.long
 
 
 def run_command(config: Path) -> list[str]:

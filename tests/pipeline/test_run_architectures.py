@@ -19,6 +19,9 @@ from pipeline_config import TINY
 from server_process import ServerProcess
 from tiny_models import save_tiny_gemma2, save_tiny_moe
 
+# two whole pipeline runs, about 4 minutes in CI: handed to a worker first (tests/conftest.py)
+pytestmark = pytest.mark.long
+
 # Every projection's input width a multiple of the int4 group size (64), as llm-compressor
 # and the W4A8 kernel need.
 BUILDERS = {

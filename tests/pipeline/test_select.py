@@ -22,6 +22,9 @@ from modelship.storage import Storage, read_manifest
 
 from pipeline_config import tiny_config
 
+# a pipeline run and reruns, about 2 minutes in CI: handed to a worker first (tests/conftest.py)
+pytestmark = pytest.mark.long
+
 
 def publish_broken(storage: Storage, name: str, damage) -> None:
     """A variant folder made from fp16 and then damaged, published like a real one."""

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from modelship.engine.grammar_spec import GrammarSpec
 from modelship.engine.sampling_params import InvalidParamsError
@@ -166,6 +165,11 @@ class BitmaskFiller:
     ) -> torch.Tensor:
         """[num_rows, ceil(vocab / 32)] int32: bit t of row r set iff token t is allowed;
         rows not listed allow every token."""
+        # Imported at the first constrained step, not with the engine: llguidance.torch
+        # compiles a kernel with torch.compile at import, which loads torch._dynamo (sympy,
+        # networkx, inductor), about half of a replica's import time, in every replica.
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
         bitmask = allocate_token_bitmask(num_rows, vocab_size)
         fill_next_token_bitmask_par(
             self._executor, [(grammar.matcher, row) for grammar, row in rows], bitmask

@@ -1,7 +1,7 @@
 """Wall time of one engine step (decode) at fixed batch sizes, on the demo model's int4 variant.
 
     .venv/bin/python benchmarks/engine_step.py [MODEL_DIR] [--batch-sizes 1 16] [--no-fused-decoder]
-        [--threads N]
+        [--threads N] [--lm-head auto|int8|int4|dense]
 
 Each batch size: that many greedy requests on one short prompt, 5 warm-up steps, then
 `--steps` timed `LLMEngine.step()` calls (scheduler, model, head, sampler, detokenizer).
@@ -47,10 +47,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--no-fused-decoder", action="store_true", help="layer by layer")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--lm-head", default="auto", help="output head: auto, int8, int4, dense")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    config = EngineConfig(fused_decoder=not args.no_fused_decoder, num_threads=args.threads)
+    config = EngineConfig(
+        fused_decoder=not args.no_fused_decoder, num_threads=args.threads, lm_head=args.lm_head
+    )
     engine = LLMEngine(args.model, config)
     results = {}
     print(f"{'batch':>5}{'min ms':>10}{'p10 ms':>10}{'median ms':>12}")

@@ -1,7 +1,7 @@
 """Wall time of one engine step (decode) at fixed batch sizes, on the demo model's int4 variant.
 
     .venv/bin/python benchmarks/engine_step.py [MODEL_DIR] [--batch-sizes 1 16] [--no-fused-decoder]
-        [--threads N] [--adaptive]
+        [--threads N] [--adaptive] [--lm-head auto|int8|int4|dense]
 
 Each batch size: that many greedy requests on one short prompt, 5 warm-up steps, then
 `--steps` timed `LLMEngine.step()` calls (scheduler, model, head, sampler, detokenizer).
@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", action="store_true", help="adaptive_threads: each step on 1 or all threads"
     )
+    parser.add_argument("--lm-head", default="auto", help="output head: auto, int8, int4, dense")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -57,6 +58,7 @@ def main() -> None:
         fused_decoder=not args.no_fused_decoder,
         num_threads=args.threads,
         adaptive_threads=args.adaptive,
+        lm_head=args.lm_head,
     )
     engine = LLMEngine(args.model, config)
     results = {}

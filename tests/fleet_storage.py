@@ -8,7 +8,9 @@ from modelship.storage import Storage
 from modelship.storage.store import link_tree
 
 
-def _publish(storage: Storage, artifact: Path, kind: str, model_dir: Path, variant: str) -> None:
+def _publish(
+    storage: Storage, artifact: Path, kind: str, model_dir: Path, variant: str, **extra
+) -> None:
     with (
         storage.lock(artifact),
         storage.publish(
@@ -17,16 +19,20 @@ def _publish(storage: Storage, artifact: Path, kind: str, model_dir: Path, varia
             source=str(model_dir),
             revision=None,
             inputs_hash=f"test-{artifact.name}",
-            extra={"variant": variant},
+            extra={"variant": variant, **extra},
         ) as staging,
     ):
         link_tree(model_dir, staging)
 
 
-def publish_release(storage: Storage, slug: str, model_dir: Path, variant: str) -> int:
-    """Publish `model_dir` as the next release of `slug` (not made production)."""
+def publish_release(
+    storage: Storage, slug: str, model_dir: Path, variant: str, engine: dict | None = None
+) -> int:
+    """Publish `model_dir` as the next release of `slug` (not made production); `engine`:
+    the served numerics select records for a release measured with them."""
     number = max(storage.releases(slug), default=0) + 1
-    _publish(storage, storage.release_dir(slug, number), "release", model_dir, variant)
+    extra = {"engine": engine} if engine else {}
+    _publish(storage, storage.release_dir(slug, number), "release", model_dir, variant, **extra)
     return number
 
 

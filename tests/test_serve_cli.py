@@ -172,6 +172,56 @@ def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused(
     assert "Traceback" not in result.stderr
 
 
+# The output head -------------------------------------------------------------------------------
+def test_a_release_serves_the_head_select_measured_it_with(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from modelship.cli.serve_model import served_folder
+
+    storage = Storage(tmp_path / "data")
+    head4 = {"lm_head": "int4"}
+    number = publish_release(storage, "tiny-chat", tiny_llama_dir, "gptq-int4head", head4)
+    storage.set_production("tiny-chat", number)
+    production = storage.production_link("tiny-chat")
+    release = served_folder(production)
+    assert release.measured_engine == head4
+    command = typer.main.get_command(serve_app)
+
+    def engine(*args: str):
+        context = command.make_context("serve", [str(production), *args])
+        flags = {spec.param: context.params[spec.param] for spec in FLAGS}
+        return serve_options(production, flags, measured_engine=release.measured_engine).engine
+
+    assert engine().to_engine_config().lm_head == "int4"  # auto: what was measured
+    assert engine("--lm-head", "int8").lm_head == "int8"  # a flag given wins
+    assert engine("--lm-head", "dense").lm_head == "dense"
+    # a variant folder (no numerics recorded) keeps auto
+    assert served_folder(tiny_llama_dir).measured_engine == {}
+    # The replica itself: `modelship serve` of the release loads the 4-bit head.
+    if cpu_kernels_available():
+        process = ServerProcess(production, *SMALL)
+        try:
+            assert served(process) == ("tiny-chat", "gptq-int4head")
+            assert "logits from a 4-bit copy of the output head" in process.log()
+        finally:
+            process.stop()
+
+
+def cpu_kernels_available() -> bool:
+    from modelship.model import cpu_kernels
+
+    return cpu_kernels.load()
+
+
+def test_bad_head_values_are_one_line_naming_the_flag(tiny_llama_dir: Path) -> None:
+    result = run_cli("serve", str(tiny_llama_dir), "--lm-head", "int2")
+    assert result.returncode == 2 and "--lm-head" in result.stderr and "int2" in result.stderr
+    result = run_cli("serve", str(tiny_llama_dir), "--lm-head", "int4", "--device", "cuda")
+    assert result.returncode == 2, result.stderr
+    assert "--lm-head: lm_head int4 runs on modelship's CPU kernels, not on cuda" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # The port -------------------------------------------------------------------------------------
 def test_a_port_out_of_range_is_refused(tiny_llama_dir: Path) -> None:
     result = run_cli("serve", str(tiny_llama_dir), "--port", "70000")

@@ -55,7 +55,8 @@ def every_field_set(tiny_llama_dir: Path, tmp_path: Path) -> ServeOptions:
         engine={
             "device": "cuda", "dtype": "bfloat16", "max_model_len": 128, "max_num_seqs": 8,
             "max_num_batched_tokens": 512, "max_prefill_chunk": 64, "kv_cache_memory_mb": 32,
-            "kv_cache_memory_fraction": 0.5, "kv_cache_dtype": "int8", "block_size": 8,
+            "kv_cache_memory_fraction": 0.5, "kv_cache_dtype": "int8", "lm_head": "dense",
+            "block_size": 8,
             "max_waiting_requests": 10,
             "prefix_caching": False, "cuda_graphs": False, "cuda_graph_max_batch_size": 32,
             "adaptive_threads": False,

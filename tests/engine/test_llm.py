@@ -234,7 +234,7 @@ def test_add_request_is_all_or_nothing(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("int4_kernel", "fast"), ("lm_head", "int4"), ("attention_backend", "flash")],
+    [("int4_kernel", "fast"), ("lm_head", "int2"), ("attention_backend", "flash")],
 )
 def test_kernel_switches_refuse_unknown_values(field: str, value: str) -> None:
     from modelship.engine import EngineConfig

@@ -18,6 +18,7 @@ from modelship.model.quant.int4 import (
     dequantize,
     unpack_int4,
 )
+from modelship.model.quant.int8 import W8A8Linear
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
 
@@ -363,7 +364,7 @@ def test_int8_head_matches_dense_logits(quantized_g64) -> None:
     _variant, folder = quantized_g64
     dense = load_model(folder, lm_head="dense")
     model = load_model(folder)  # auto: a quantized checkpoint on CPU gets the int8 head
-    assert model.int8_head is not None and dense.int8_head is None
+    assert isinstance(model.quantized_head, W8A8Linear) and dense.quantized_head is None
     hidden = torch.randn(7, dense.config.hidden_size).bfloat16()
     expected = dense.compute_logits(hidden)
     actual = model.compute_logits(hidden)
@@ -373,9 +374,9 @@ def test_int8_head_matches_dense_logits(quantized_g64) -> None:
 
 
 def test_int8_head_option_errors(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="supported: auto, int8, dense"):
-        load_model(tiny_llama_dir, lm_head="int4")
-    assert load_model(tiny_llama_dir).int8_head is None  # auto: dense checkpoints keep theirs
+    with pytest.raises(ValueError, match="supported: auto, int8, int4, dense"):
+        load_model(tiny_llama_dir, lm_head="int2")
+    assert load_model(tiny_llama_dir).quantized_head is None  # auto: dense checkpoints keep theirs
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_builder_waited_for(tmp_path: Path) -> None:

@@ -168,3 +168,29 @@ def test_the_plot_has_error_bars_a_gate_line_and_stops_at_100_percent(tmp_path: 
     [gate_y] = re.findall(r'class="gate" x1="[\d.]+" y1="([\d.]+)"', svg)
     top = re.search(r'text-anchor="end">100%</text>', svg)
     assert top is not None and float(gate_y) > 56  # below the top of the plot
+
+
+def test_a_served_numerics_candidate_is_a_column_and_says_what_it_serves(tmp_path: Path) -> None:
+    head = evaluation("gptq-int4head", 0.93, 0.9, 0.96, 64.0)
+    head |= {"source_variant": "gptq", "engine": {"lm_head": "int4"}, "weight_bytes": 8e7}
+    evaluations = {
+        "base": evaluation("base", 1.0, 1.0, 1.0, 30.0),
+        "gptq": evaluation("gptq", 0.95, 0.92, 0.98, 60.0),
+        "gptq-int4head": head,
+    }
+    measurements = [
+        measurement(evaluations[name], Interval(*evaluations[name]["quality_share_ci95"]))
+        for name in ("gptq", "gptq-int4head")
+    ]
+    weights, gates = weights_for(None), Gates(min_quality_share=0.8)
+    scores = score_variants(measurements, weights, gates)
+    write_report(tmp_path, "demo", 1, Ranking(scores, evaluations, weights, gates))
+    markdown = (tmp_path / "report.md").read_text()
+    served = markdown.split("## Served numerics\n\n")[1].split("\n\n")[0]
+    assert served == (
+        "- gptq-int4head: gptq's weights served with --lm-head int4, measured like every "
+        "variant (quality and serving)"
+    )
+    tables = parsed_tables((tmp_path / "report.html").read_text())
+    assert tables[2][0] == ["measure", "base", *(s.variant for s in scores)]
+    assert {row[0] for row in tables[0][1:]} == {"gptq", "gptq-int4head"}

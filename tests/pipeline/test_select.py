@@ -177,7 +177,8 @@ def test_a_release_carries_its_provenance(pipeline, tmp_path: Path) -> None:
     record = json.loads((release_dir / "provenance.json").read_text())
     assert "provenance.json" in {e.path for e in read_manifest(release_dir).files}
     winner = record["variant"]
-    variant = read_manifest(storage.variant_dir("tiny", winner))
+    source = record["measurements"][winner].get("source_variant", winner)  # -int4head: its own
+    variant = read_manifest(storage.variant_dir("tiny", source))
     assert record["variants"][winner]["files"] == {e.path: e.sha256 for e in variant.files}
     assert record["variants"]["fp16"]["recipe"]["scheme"] == "fp16"
     assert record["source"]["kind"] == "base" and record["source"]["files"]
@@ -232,3 +233,41 @@ def test_the_standard_multiple_choice_set_is_read_from_the_cache_and_recorded(pi
         (storage.release_dir("tiny", result.release) / "provenance.json").read_text()
     )
     assert provenance["measurements"]["fp16"]["benchmark"]["dataset"] == "bigbench"
+
+
+def test_the_4bit_head_is_measured_as_a_candidate_and_its_release_serves_it(pipeline) -> None:
+    from modelship.cli.serve_model import served_folder
+
+    config, storage, records = pipeline
+    evaluations = storage.evaluations_dir("tiny")
+    [path] = evaluations.glob("*-int4head.json")  # for one int4 variant only
+    head = json.loads(path.read_text())
+    source = head["source_variant"]
+    assert head["engine"] == {"lm_head": "int4"} and path.stem == f"{source}-int4head"
+    kl = {v: json.loads((evaluations / f"{v}.json").read_text())["quality"]["kl_divergence"]
+          for v in ("awq", "gptq")}  # fmt: skip
+    assert source == min(kl, key=kl.get)  # the int4 variant closest to the base
+    assert head["serving"]["throughput_tok_s"] > 0 and head["quality"]["num_task_items"] >= 50
+    release = storage.release_dir("tiny", records["select"].facts["release"])  # the run's
+    report = (release / "report.md").read_text()
+    assert f"- {path.stem}: {source}'s weights served with --lm-head int4" in report
+    assert f"| {path.stem} |" in report  # a row of the scores table like any variant
+
+    # Weighted for memory only, the 4-bit head (fewer weight bytes, same weights otherwise)
+    # wins over its own variant, and its release serves what was measured.
+    memory = config.model_copy(
+        update={"select": config.select.model_copy(
+            update={"weights": {"quality": 0, "latency": 0, "throughput": 0, "memory": 1}}
+        )}
+    )  # fmt: skip
+    messages: list[str] = []
+    result = select(storage, "tiny", memory, variants=[source], log=messages.append)
+    assert sum("evaluation memoized" in m for m in messages) == 3  # base, source, its head
+    assert result.winner == path.stem, [(s.variant, s.score) for s in result.scores]
+    release = storage.release_dir("tiny", result.release)
+    manifest = read_manifest(release)
+    assert manifest.extra["variant"] == path.stem
+    assert manifest.extra["engine"] == {"lm_head": "int4"}
+    weights = {(e.path, e.sha256) for e in read_manifest(storage.variant_dir("tiny", source)).files}
+    assert weights <= {(e.path, e.sha256) for e in manifest.files}  # the source's files
+    assert served_folder(release).measured_engine == {"lm_head": "int4"}

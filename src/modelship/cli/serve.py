@@ -161,9 +161,12 @@ def serve(
     from modelship.engine.errors import KVCacheTooSmallError
 
     served = served_model(model, Storage(storage), revision)
-    options = serve_options(served.path, flags, served.name)
+    options = serve_options(served.path, flags, served.name, served.measured_engine)
     check_device_usable(options.engine.device)
-    engine_config = options.to_engine_config()
+    try:
+        engine_config = options.to_engine_config()
+    except ValueError as exc:  # a combination only the resolved device shows (--device auto)
+        fail(str(exc), CONFIG_EXIT_CODE)
     check_kv_cache(served.path, engine_config)
     # The port is taken before the model loads: a busy one fails in a second, not after it.
     sock = socket.socket(fileno=fd) if fd is not None else listening_socket(host, port)
@@ -266,11 +269,17 @@ serve.__signature__ = inspect.Signature([*_own, *map(_option, FLAGS)])  # type: 
 app.command(cls=PanelledCommand)(serve)
 
 
-def serve_options(model_dir: Path, flags: dict[str, Any], name: str | None = None) -> ServeOptions:
+def serve_options(
+    model_dir: Path,
+    flags: dict[str, Any],
+    name: str | None = None,
+    measured_engine: dict[str, Any] | None = None,
+) -> ServeOptions:
     """The generated flags' parsed values as options, the model folder (and a draft
     model's, and every adapter) checked; a bad one exits with a usage error naming it.
     `name`: the model's name when --served-model-name is not given (default: the folder's),
-    which no adapter may take."""
+    which no adapter may take. `measured_engine`: the numerics the release was measured
+    with, served where the flags say auto (`EngineOptions.with_measured`)."""
     from pydantic import ValidationError
 
     from modelship.pipeline.acquire import validate_model_folder
@@ -284,7 +293,9 @@ def serve_options(model_dir: Path, flags: dict[str, Any], name: str | None = Non
             fail("--trace-exporter file needs --trace-file PATH", CONFIG_EXIT_CODE)
         name = flags.get("served_model_name") or name or model_dir.resolve().name
         flags = {**flags, "lora": _parse_loras(flags.get("lora") or [], name)}
-        return ServeOptions.model_validate(values_from_params(FLAGS, flags))
+        options = ServeOptions.model_validate(values_from_params(FLAGS, flags))
+        engine = options.engine.with_measured(measured_engine or {})
+        return options.model_copy(update={"engine": engine})
     except ValidationError as exc:  # the message names the flag
         lines = []
         for error in exc.errors():

@@ -19,8 +19,9 @@ variant's), else `base`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.progress import Progress
 
@@ -42,6 +43,9 @@ class ServedModel:
     path: Path  # the model folder the engine loads
     slug: str | None  # the model in storage it belongs to; None for a folder outside storage
     variant: str  # the label on metrics and /ready
+    # the engine numerics a release was measured with (`manifest_engine`): served where the
+    # flags leave them at auto (`EngineOptions.with_measured`)
+    measured_engine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -97,7 +101,9 @@ def served_folder(folder: Path) -> ServedModel:
         if not target.is_dir():
             raise ServeModelError(f"{folder}: the model has no production release and no base")
         folder = target
-    return ServedModel(folder, storage_slug(folder), manifest_variant(folder))
+    return ServedModel(
+        folder, storage_slug(folder), manifest_variant(folder), manifest_engine(folder)
+    )
 
 
 def _is_model_home(folder: Path) -> bool:
@@ -132,3 +138,13 @@ def manifest_variant(model_dir: Path) -> str:
     except StorageError:  # no manifest (a plain HF folder), or one that cannot be read
         return "base"
     return variant if isinstance(variant, str) and variant else "base"
+
+
+def manifest_engine(model_dir: Path) -> dict[str, Any]:
+    """The served numerics (engine options, e.g. {"lm_head": "int4"}) a release's manifest
+    says select measured its variant with; {} for any other folder."""
+    try:
+        engine = read_manifest(model_dir).extra.get("engine")
+    except StorageError:
+        return {}
+    return dict(engine) if isinstance(engine, dict) else {}

@@ -71,8 +71,9 @@ class EngineConfig:
     # CPU int4 kernel: "auto" (modelship's W4A8 where AVX2 and the group size allow, else
     # torch's), "w4a8" or "torch" (bf16 arithmetic; `model.quant.int4`)
     int4_kernel: str = "auto"
-    # logits: "auto" (an int8 copy of the head for quantized checkpoints on CPU), "int8" or
-    # "dense" (`model.quant.int8`)
+    # logits: "auto" (an int8 copy of the head for quantized checkpoints on CPU), "int8",
+    # "int4" (a 4-bit copy, which tied embeddings also read: `model.quant.int4_head`) or
+    # "dense" (`model.quant.int8`); int8 and int4 are CPU only
     lm_head: str = "auto"
     # attention: "auto" (modelship's CPU kernel on an AVX2 CPU with an fp32 cache: batch-
     # and chunk-invariant, so greedy output is repeatable; on CUDA the Triton kernel where
@@ -145,6 +146,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.lm_head in ("int8", "int4") and self.torch_device.type != "cpu":
+            raise ValueError(
+                f"lm_head {self.lm_head} runs on modelship's CPU kernels, not on "
+                f"{self.device}: use auto or dense there"
+            )
         for name, dtypes in (("dtype", _DTYPES), ("kv_cache_dtype", _KV_CACHE_DTYPES)):
             value = getattr(self, name)
             if value is not None and value not in dtypes:

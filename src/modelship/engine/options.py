@@ -6,9 +6,17 @@ imports torch.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from modelship.engine.devices import check_device_name
 from modelship.flags import Flag, flag_args
@@ -63,6 +71,16 @@ class EngineOptions(BaseModel):
         description="KV cache dtype (auto: fp32 on CPU, the compute dtype on CUDA); int8 holds "
         "~3.7x the tokens of fp32 in the same memory (CPU kernel and SDPA backends); fp8 "
         "(e4m3) as many (SDPA backend).",
+    )
+    # the output head's numerics on CPU (`model.quant.int8`, `model.quant.int4_head`); select
+    # measures int4 as a candidate of its own and a release records the choice it was
+    # measured with, which auto then serves (`with_measured`)
+    lm_head: Literal["auto", "int8", "int4", "dense"] = Field(
+        default="auto",
+        description="Output head numerics (CPU): int8, int4 (4-bit, groups of 64, "
+        "round-to-nearest at load; tied embeddings read from it too), dense (the checkpoint's "
+        "weights), or auto: what the release was measured with, else int8 for quantized "
+        "checkpoints.",
     )
     block_size: int = Field(default=16, ge=1, description="Tokens per KV block.")
     adaptive_threads: bool = Field(
@@ -148,6 +166,17 @@ class EngineOptions(BaseModel):
     def _known_device(cls, device: str) -> str:
         return check_device_name(device)
 
+    @field_validator("lm_head")
+    @classmethod
+    def _head_on_cpu(cls, lm_head: str, info: ValidationInfo) -> str:
+        device = info.data.get("device", "cpu")
+        if lm_head in ("int8", "int4") and device.startswith("cuda"):
+            raise ValueError(
+                f"lm_head {lm_head} runs on modelship's CPU kernels, not on {device}: use auto "
+                "or dense there"
+            )
+        return lm_head
+
     @model_validator(mode="after")
     def _draft_needs_tokens(self) -> EngineOptions:
         if self.speculative_model and not self.num_speculative_tokens:
@@ -171,6 +200,18 @@ class EngineOptions(BaseModel):
             enable_prefix_caching=self.prefix_caching,
             speculative=self.speculative_config(),
         )
+
+    def with_measured(self, measured: Mapping[str, Any]) -> EngineOptions:
+        """These options with the served numerics a release was measured with (select
+        records them in its manifest: `pipeline.select.candidates`) wherever they are left
+        at auto; a value set explicitly wins. Not on a GPU: select measures on the CPU, and
+        there the head stays what auto gives."""
+        lm_head = measured.get("lm_head")
+        if lm_head in (None, "auto") or self.lm_head != "auto":
+            return self
+        if resolve_device(self.device) != "cpu":
+            return self
+        return type(self).model_validate(self.model_dump() | {"lm_head": lm_head})
 
     def speculative_config(self):
         from modelship.engine.speculative import SpeculativeConfig

@@ -38,6 +38,11 @@ class CausalLM(nn.Module):
         """Switch logits to an int8 copy of the output head; False: not possible here."""
         return False
 
+    def use_int4_head(self) -> bool:
+        """Switch logits (and tied embeddings) to a 4-bit copy of the output head; False:
+        not possible here."""
+        return False
+
     def use_fused_decoder(self) -> bool:
         """Run the decoder layers in one fused CPU call where possible; False: not here."""
         return False

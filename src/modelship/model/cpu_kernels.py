@@ -174,6 +174,27 @@ def pack_q4(
     return qweight.contiguous(), interleave(scale), interleave(mins)
 
 
+def dequantize_q4_rows(
+    qweight: torch.Tensor,  # [blocks, 4 in] uint8, `pack_q4`'s layout
+    scales: torch.Tensor,  # [blocks, in / group_size, 8] fp16
+    mins: torch.Tensor,  # [blocks, in / group_size, 8] fp16
+    rows: torch.Tensor,  # [n] int64 output-row ids
+) -> torch.Tensor:  # [n, in] fp32: u * scale + min of those rows only
+    """The inverse of `pack_q4` for some rows (an embedding lookup in a 4-bit table): reads
+    the n rows' bytes, scales and mins, and nothing else of the weight."""
+    blocks, lane = rows // BLOCK_ROWS, rows % BLOCK_ROWS
+    n, in_features = rows.shape[0], qweight.shape[1] // 4
+    num_chunks = in_features // CHUNK
+    packed = qweight[blocks].view(n, num_chunks, 8, BLOCK_ROWS, 4)  # [n, chunk, lane, row, 4]
+    index = lane.view(n, 1, 1, 1, 1).expand(n, num_chunks, 8, 1, 4)
+    mine = packed.gather(3, index).view(n, num_chunks, CHUNK // 2)  # [n, chunk, 32] bytes
+    u = torch.cat([mine & 0xF, mine >> 4], dim=2).view(n, in_features).float()
+    group_size = in_features // scales.shape[1]
+    scale = scales[blocks, :, lane].float().repeat_interleave(group_size, dim=1)  # [n, in]
+    low = mins[blocks, :, lane].float().repeat_interleave(group_size, dim=1)
+    return u.mul_(scale).add_(low)
+
+
 def q4_linear(
     x: torch.Tensor,  # [n, in] bf16 or fp32, contiguous
     qweight: torch.Tensor,

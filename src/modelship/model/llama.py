@@ -39,6 +39,7 @@ from modelship.model.layers import (
 from modelship.model.lora import LoRAContext, attach_lora
 from modelship.model.moe import MoEMLP, moe_block
 from modelship.model.quant.base import DenseLinear, bf16_upcast_rows, dense_linear
+from modelship.model.quant.int4_head import Int4Head, int4_head_supports
 from modelship.model.quant.int8 import W8A8Linear, int8_head_supports
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,11 @@ class LlamaForCausalLM(CausalLM):
         )
         self.lm_head = None if config.tie_word_embeddings else linear(["lm_head"], False)
         self.rotary = RotaryEmbedding(config, max_positions, device)
-        self.int8_head: W8A8Linear | None = None  # set by `use_int8_head`
+        # a quantized copy of the output head computing the logits: `W8A8Linear` (set by
+        # `use_int8_head`) or `Int4Head` (`use_int4_head`: it replaces the 16-bit matrix,
+        # and with tied embeddings `int4_embedding` serves the lookups from it)
+        self.quantized_head: nn.Module | None = None
+        self.int4_embedding: Int4Head | None = None
         self.fused_decoder: FusedDecoder | None = None  # set by `use_fused_decoder`
         self.lora: LoRAContext | None = None  # set by `enable_lora`
 
@@ -192,7 +197,29 @@ class LlamaForCausalLM(CausalLM):
         weight = self.embed_tokens.weight if head is None else head.weight
         if not int8_head_supports(weight.shape[1]) or (head is not None and head.bias is not None):
             return False
-        self.int8_head = W8A8Linear.from_dense(weight)
+        self.quantized_head = W8A8Linear.from_dense(weight)
+        return True
+
+    def use_int4_head(self) -> bool:
+        """Compute logits with a 4-bit copy of the (dense) output head (`quant.int4_head`),
+        which replaces the 16-bit one (freed); with tied embeddings the lookups read the same
+        4-bit rows. False where the head is already quantized, has a bias, or its width does
+        not fit the kernel."""
+        head = self.lm_head
+        if head is not None and (not isinstance(head, DenseLinear) or head.bias is not None):
+            return False
+        weight = self.embed_tokens.weight if head is None else head.weight
+        if not int4_head_supports(*weight.shape):
+            return False
+        quantized = Int4Head.from_dense(weight)
+        self.quantized_head = quantized
+        # the 4-bit copy replaces the 16-bit matrix; an empty one keeps its dtype (`dtype`)
+        empty = nn.Parameter(weight.new_empty(0, weight.shape[1]), requires_grad=False)
+        if head is None:  # tied: the lookups read the same 4-bit rows
+            self.int4_embedding = quantized
+            self.embed_tokens.weight = empty
+        else:
+            head.weight = empty
         return True
 
     def use_fused_decoder(self) -> bool:
@@ -255,12 +282,14 @@ class LlamaForCausalLM(CausalLM):
         return self.norm(hidden.add_(residual))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden], fresh
+        if self.int4_embedding is not None:
+            return self.int4_embedding.embed(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32."""
-        if self.int8_head is not None:
-            return self.int8_head(hidden)
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden)
         head = self.lm_head
         if head is None or isinstance(head, DenseLinear):
             weight = self.embed_tokens.weight if head is None else head.weight

@@ -194,8 +194,10 @@ def load_model(
     embeddings and norms are assigned. Raises `MissingWeightError` naming the first absent
     tensor, `UnsupportedModelError` / `UnsupportedQuantizationError` for what we lack.
     `int4_kernel` picks the CPU int4 kernel (auto, w4a8, torch). `lm_head` "int8" computes
-    logits with an int8 copy of the output head (CPU, AVX2), "dense" with the checkpoint's
-    weights, "auto" int8 for quantized checkpoints on a CPU with bf16 compute.
+    logits with an int8 copy of the output head (CPU, AVX2), "int4" with a 4-bit one (CPU,
+    AVX2; tied embeddings then read the same 4-bit rows: `quant.int4_head`), "dense" with
+    the checkpoint's weights, "auto" int8 for quantized checkpoints on a CPU with bf16
+    compute.
     `fused_decoder` runs all decoder layers in one C++ call on CPU-kernel steps where the
     model allows it (W4A8 projections; see `fused_decoder.py`), else layer by layer.
     With `shard` (and its process `group`), only that tensor-parallel rank's slice of the
@@ -242,11 +244,19 @@ def load_model(
                 module.finish_loading()
     if fused_decoder and device.type == "cpu":
         model.use_fused_decoder()
-    wants_int8_head = _wants_int8_head(lm_head, config, device, dtype)
-    if wants_int8_head and not model.use_int8_head() and lm_head == "int8":
+    head = _quantized_head(lm_head, config, device, dtype)
+    if head == "int8" and not model.use_int8_head() and lm_head == "int8":
         raise ValueError(
             f"{model_dir}: the output head cannot run in int8 (quantized or odd width)"
         )
+    if head == "int4":
+        if not model.use_int4_head():
+            raise ValueError(
+                f"lm_head int4: {model_dir}'s output head cannot run in int4 (quantized in the "
+                "checkpoint, with a bias, or a width that is not a multiple of 64)"
+            )
+        tied = " (the tied embedding reads its rows)" if config.tie_word_embeddings else ""
+        logger.info("%s: logits from a 4-bit copy of the output head%s", model_dir, tied)
     unused = set(checkpoint.location) - checkpoint.used
     if unused:
         logger.info(
@@ -255,19 +265,26 @@ def load_model(
     return model
 
 
-def _wants_int8_head(
+def _quantized_head(
     lm_head: str, config: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> bool:
+) -> str | None:
+    """The quantized head `lm_head` asks for here ("int8", "int4"), or None (dense)."""
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r}; supported: {', '.join(LM_HEADS)}")
     if lm_head == "dense":
-        return False
+        return None
     available = device.type == "cpu" and cpu_kernels.load()
-    if lm_head == "int8":
+    if lm_head in ("int8", "int4"):
+        if device.type != "cpu":
+            raise ValueError(
+                f"lm_head {lm_head} runs on modelship's CPU kernels, not on {device.type}: "
+                "use auto or dense there"
+            )
         if not available:
-            raise ValueError("an int8 output head needs modelship's CPU kernels (AVX2)")
-        return True
-    return available and bool(config.quantization_config) and dtype == torch.bfloat16
+            raise ValueError(f"an {lm_head} output head needs modelship's CPU kernels (AVX2)")
+        return lm_head
+    quantized = available and bool(config.quantization_config) and dtype == torch.bfloat16
+    return "int8" if quantized else None
 
 
 def _checkpoint_name(name: str, architecture: str) -> str:

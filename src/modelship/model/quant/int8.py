@@ -14,7 +14,7 @@ from torch import nn
 from modelship.model import cpu_kernels
 
 ACTIVATION_GROUP = 64
-LM_HEADS = ("auto", "int8", "dense")  # `load_model(lm_head=...)`
+LM_HEADS = ("auto", "int8", "int4", "dense")  # `load_model(lm_head=...)`; int4: `int4_head`
 
 
 def int8_head_supports(in_features: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from modelship.pipeline.select.candidates import Candidate
 from modelship.pipeline.select.report import explain
 from modelship.pipeline.select.scoring import Ranking
 from modelship.release.provenance import actor, artifact_identity
@@ -28,7 +29,8 @@ def provenance_record(
         "published_by": actor(),
         "source": artifact_identity(storage.base_dir(slug)),
         "variants": {
-            s.variant: artifact_identity(storage.variant_dir(slug, s.variant)) for s in scores
+            s.variant: artifact_identity(storage.variant_dir(slug, _source(ranking, s.variant)))
+            for s in scores
         },
         "selection": {
             "weights": weights,
@@ -55,6 +57,11 @@ def provenance_record(
     }
 
 
+def _source(ranking: Ranking, name: str) -> str:
+    """The variant whose folder a candidate loads (itself, but for served-numerics ones)."""
+    return Candidate.of(ranking.evaluations[name]).variant
+
+
 def _measurement(evaluation: dict[str, Any]) -> dict[str, Any]:
     serving = evaluation.get("serving") or {}
     record: dict[str, Any] = {
@@ -66,6 +73,9 @@ def _measurement(evaluation: dict[str, Any]) -> dict[str, Any]:
         "benchmark": evaluation.get("benchmark"),  # dataset, version, checksums, items
         "degeneration": evaluation.get("degeneration"),
         "weight_bytes": evaluation.get("weight_bytes"),
+        # served-numerics candidates: whose folder, with which engine options on top
+        "source_variant": evaluation.get("source_variant"),
+        "engine": evaluation.get("engine"),
         "load_error": evaluation.get("load_error"),
     }
     if serving:

@@ -67,10 +67,11 @@ class Scorer:
     """A variant loaded in our engine, scoring token sequences with no sampling. Its KV
     cache holds one `max_model_len` sequence of this model (the engine refuses less: a
     float32 cache of the 135M demo model needs 90 MiB for 2048 tokens), and no less than
-    MIN_KV_CACHE_BYTES."""
+    MIN_KV_CACHE_BYTES. `lm_head`: the output head's numerics (`EngineConfig.lm_head`), as
+    the variant is served."""
 
-    def __init__(self, model_dir: Path, max_model_len: int = 2048) -> None:
-        config = EngineConfig(max_model_len=max_model_len)
+    def __init__(self, model_dir: Path, max_model_len: int = 2048, lm_head: str = "auto") -> None:
+        config = EngineConfig(max_model_len=max_model_len, lm_head=lm_head)
         one_sequence = kv_cache_bytes(model_dir, config, max_model_len)
         config = replace(config, kv_cache_memory_bytes=max(MIN_KV_CACHE_BYTES, one_sequence))
         self.engine = LLMEngine(model_dir, config)

@@ -148,6 +148,23 @@ def _rounds_note(scores: list[VariantScore], evaluations: dict[str, dict[str, An
     )
 
 
+def numerics_lines(names: list[str], evaluations: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per served-numerics candidate: whose weights, served with which options
+    (on top of pipeline.yaml's `serve.engine`; a release of it serves the same)."""
+    lines = []
+    for name in names:
+        evaluation = evaluations[name]
+        engine = evaluation.get("engine")
+        if engine:
+            flags = [f"--{key.replace('_', '-')} {value}" for key, value in engine.items()]
+            options = ", ".join(flags)
+            lines.append(
+                f"- {name}: {evaluation.get('source_variant', name)}'s weights served with "
+                f"{options}, measured like every variant (quality and serving)"
+            )
+    return lines
+
+
 def quality_rows(names: list[str], evaluations: dict[str, dict[str, Any]]) -> list[list[str]]:
     """Every quality measure per variant with its 95% bootstrap interval, the quality
     share's paired difference from the first variant (the winner), and the golden
@@ -289,6 +306,11 @@ def write_report(folder: Path, slug: str, release: int, ranking: Ranking) -> Non
         + _markdown_table(header, metric_rows(scores, evaluations))
         + "\n\n"
         + _rounds_note(scores, evaluations),
+        *(
+            ["## Served numerics\n\n" + "\n".join(numerics)]
+            if (numerics := numerics_lines(names, evaluations))
+            else []
+        ),
         "## Quality against the base model\n\n"
         + _markdown_table(["measure", "base", *names], quality_rows(["base", *names], evaluations)),
         "## Quality against throughput\n\n![quality against throughput](report.svg)",

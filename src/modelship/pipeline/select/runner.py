@@ -1,9 +1,12 @@
 """Stage 3, select: measure every variant the same way, gate, score, publish the winner.
 
 Quality is measured in this process with our engine's model (teacher-forced, against
-the base model's distributions); serving behaviour through a real replica per variant.
-Each variant's numbers go to `evaluations/<variant>.json`, memoized on the variant's
-inputs and the measurement settings, so a rerun measures nothing again. The winner is
+the base model's distributions); serving behaviour through a real replica per variant
+(`measure.py`). Besides the variants, a served-numerics candidate (a variant's folder
+served with engine options on top: the 4-bit output head, `candidates.py`) is measured
+and scored like one, and a release of it records the options it was measured with.
+Each candidate's numbers go to `evaluations/<name>.json`, memoized on the variant's
+inputs, the numerics and the measurement settings, so a rerun measures nothing again. The winner is
 published as `releases/<n>/` (its files hard-linked, plus `production_metrics.json` and
 the report) and `production` is switched to it atomically; a rerun that would choose the
 same thing from the same evaluations publishes nothing.
@@ -22,11 +25,10 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from modelship.config import ModelshipConfig
-from modelship.pipeline.calibration import corpus_hash, held_out_texts
+from modelship.pipeline.calibration import corpus_hash
 from modelship.pipeline.errors import PipelineError
 from modelship.pipeline.select import intervals
 from modelship.pipeline.select import quality as q
@@ -36,6 +38,8 @@ from modelship.pipeline.select.benchmark_data import (
     load_benchmark,
 )
 from modelship.pipeline.select.bootstrap import Resampler
+from modelship.pipeline.select.candidates import Candidate, int4_head_candidate
+from modelship.pipeline.select.measure import BASE, Measurer, artifact_folder, load_memoized
 from modelship.pipeline.select.provenance import provenance_record
 from modelship.pipeline.select.report import write_report
 from modelship.pipeline.select.scoring import (
@@ -46,8 +50,6 @@ from modelship.pipeline.select.scoring import (
     score_variants,
     weights_for,
 )
-from modelship.pipeline.select.serving_benchmark import Workload, measure_serving
-from modelship.pipeline.select.tool_use import load_tool_tasks
 from modelship.release import golden
 from modelship.release.provenance import PROVENANCE_FILE
 from modelship.serve_options import ServeOptions
@@ -59,15 +61,13 @@ from modelship.storage import (
     hash_inputs,
     link_tree,
     read_manifest,
-    verify_artifact,
-    write_json_atomic,
 )
 
 # Bumped when what select measures changes, so memoized evaluations are redone.
 # 2: interleaved rounds with confidence intervals; 3: tool-call success in the quality share;
-# 4: per-item quality records and per-prompt golden checks, for bootstrap intervals
-SELECT_CODE_VERSION = 4
-BASE = "base"
+# 4: per-item quality records and per-prompt golden checks, for bootstrap intervals;
+# 5: quality with the served head (`serve.engine.lm_head`), served-numerics candidates
+SELECT_CODE_VERSION = 5
 
 Log = Callable[[str], None]
 
@@ -99,14 +99,17 @@ def measurement_settings(
     }  # fmt: skip
 
 
-def evaluation_hash(storage: Storage, slug: str, variant: str, settings: dict) -> str | None:
-    """What a variant's evaluation depends on; None if the variant folder is unreadable."""
-    folder = storage.base_dir(slug) if variant == BASE else storage.variant_dir(slug, variant)
+def evaluation_hash(
+    storage: Storage, slug: str, candidate: Candidate, settings: dict
+) -> str | None:
+    """What a candidate's evaluation depends on; None if its folder is unreadable."""
     try:
-        manifest = read_manifest(folder)
+        manifest = read_manifest(artifact_folder(storage, slug, candidate.variant))
     except (ArtifactNotFoundError, StorageError):
         return None
-    return hash_inputs({"variant": variant, "artifact": manifest.inputs_hash, **settings})
+    numerics = {"numerics": candidate.engine} if candidate.engine else {}
+    inputs = {"variant": candidate.name, "artifact": manifest.inputs_hash, **numerics}
+    return hash_inputs(inputs | settings)
 
 
 def select(
@@ -126,21 +129,26 @@ def select(
         )
     benchmark = _load_benchmark(storage, config)
     settings = measurement_settings(config, benchmark)
-    evaluations_dir = storage.evaluations_dir(slug)
     evaluations: dict[str, dict[str, Any]] = {}
-    todo = []
-    for name in [BASE, *variants]:
-        path = evaluations_dir / f"{name}.json"
-        wanted = evaluation_hash(storage, slug, name, settings)
-        if wanted is not None and path.is_file():
-            existing = json.loads(path.read_text())
-            if existing.get("inputs_hash") == wanted:
-                evaluations[name] = existing
-                log(f"{name}: evaluation memoized")
-                continue
-        todo.append((name, wanted))
-    if todo:
-        _measure(storage, slug, config, todo, evaluations, log, benchmark)
+    measurer = Measurer(storage, slug, config, evaluations, log, benchmark)
+    todo = [
+        (c, wanted)
+        for c in [Candidate(BASE, BASE), *(Candidate(v, v) for v in variants)]
+        if (wanted := evaluation_hash(storage, slug, c, settings)) is None
+        or not load_memoized(storage, slug, c, wanted, evaluations, log)
+    ]
+    measurer.measure_quality(todo)
+    # served numerics: measured for the int4 variant whose quality came closest to the base
+    # (`candidates.py`), once every variant's quality is known
+    head = int4_head_candidate(
+        storage, slug, measurer.measured(), variants, ServeOptions(engine=config.serve.engine)
+    )
+    if head is not None:
+        wanted = evaluation_hash(storage, slug, head, settings)
+        if wanted is None or not load_memoized(storage, slug, head, wanted, evaluations, log):
+            measurer.measure_quality([(head, wanted)])
+        variants.append(head.name)
+    measurer.measure_serving()
 
     base_eval = evaluations[BASE]
     if base_eval.get("load_error"):
@@ -191,88 +199,6 @@ def _load_benchmark(storage: Storage, config: ModelshipConfig) -> BenchmarkSet |
         return load_benchmark(storage.cache_dir("eval"), s.benchmark_tasks, s.benchmark_items)
     except BenchmarkDataError as exc:
         raise PipelineError(str(exc)) from exc
-
-
-def _measure(storage, slug, config, todo, evaluations, log, benchmark=None) -> None:
-    """Quality of each variant in turn (deterministic), then serving of all candidates
-    together in interleaved rounds (`serving_benchmark`); each evaluation written when complete."""
-    s = config.select
-    evaluations_dir = storage.evaluations_dir(slug)
-    base_scorer = q.Scorer(storage.base_dir(slug))
-    tokenizer = base_scorer.tokenizer
-    chunks = q.eval_chunks(tokenizer, held_out_texts(), s.eval_chunks, s.eval_chunk_tokens)
-    reference = q.make_reference(base_scorer, chunks)
-    tasks = q.load_tasks()
-    tool_tasks = load_tool_tasks()
-    pending: dict[str, tuple[dict[str, Any], Path, float]] = {}
-    for name, inputs_hash in todo:
-        folder = storage.base_dir(slug) if name == BASE else storage.variant_dir(slug, name)
-        evaluation: dict[str, Any] = {"variant": name, "path": str(folder)}
-        evaluation["inputs_hash"] = inputs_hash or "unreadable"
-        started = time.perf_counter()
-        try:
-            if inputs_hash is None:
-                raise PipelineError(f"{folder} is missing or has no readable manifest")
-            verify_artifact(folder)
-            log(f"{name}: measuring quality")
-            scorer = base_scorer if name == BASE else q.Scorer(folder)
-            quality = q.measure_quality(
-                scorer, reference, tasks, tool_tasks, benchmark.items if benchmark else None
-            )
-            evaluation["quality"] = quality.to_dict()
-            if benchmark is not None:
-                evaluation["benchmark"] = benchmark.describe()
-            evaluation["weight_bytes"] = scorer.weight_bytes()
-            if scorer is not base_scorer:
-                del scorer
-        except Exception as exc:  # a variant that cannot be measured is gated, not fatal
-            evaluation["load_error"] = _reason(exc)
-            log(f"{name}: {evaluation['load_error']}")
-        seconds = time.perf_counter() - started
-        if name == BASE or "load_error" in evaluation:  # the base is the reference only
-            _write_evaluation(evaluations_dir, evaluation, seconds, evaluations)
-        else:
-            pending[name] = (evaluation, folder, seconds)
-    if not pending:
-        return
-    log(f"measuring serving of {', '.join(pending)}: interleaved rounds")
-    started = time.perf_counter()
-    outcomes = measure_serving(
-        {name: folder for name, (_, folder, _) in pending.items()},
-        tokenizer,
-        lambda name: ServeOptions(engine=config.serve.engine, variant=name).replica_args(),
-        Workload(
-            latency_requests=s.latency_requests,
-            concurrency=s.concurrency,
-            throughput_requests=s.throughput_requests,
-            prompt_tokens=s.prompt_tokens,
-            output_tokens=s.output_tokens,
-            min_rounds=s.min_rounds,
-            max_rounds=s.max_rounds,
-            ci_target=s.ci_target,
-            budget_s=s.serving_budget_s,
-        ),
-        log_dir=evaluations_dir / "logs",
-        log=log,
-    )
-    serving_seconds = (time.perf_counter() - started) / len(pending)  # a fair share each
-    for name, (evaluation, _, seconds) in pending.items():
-        outcome = outcomes[name]
-        if isinstance(outcome, str):
-            evaluation["load_error"] = outcome
-        else:
-            evaluation["serving"] = outcome.to_dict()
-        _write_evaluation(evaluations_dir, evaluation, seconds + serving_seconds, evaluations)
-
-
-def _write_evaluation(evaluations_dir, evaluation, seconds, evaluations) -> None:
-    evaluation["seconds"] = round(seconds, 2)
-    write_json_atomic(evaluations_dir / f"{evaluation['variant']}.json", evaluation)
-    evaluations[evaluation["variant"]] = evaluation
-
-
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
 
 
 def bootstrap_settings(resampler: Resampler) -> dict[str, Any]:
@@ -363,7 +289,10 @@ def _publish_release(storage, slug, ranking: Ranking, selection_hash, log) -> tu
     with storage.lock(releases_dir):
         number = max(storage.releases(slug), default=0) + 1
         target = storage.release_dir(slug, number)
-        source = storage.variant_dir(slug, winner.variant)
+        chosen = Candidate.of(evaluations[winner.variant])
+        source = storage.variant_dir(slug, chosen.variant)
+        # the numerics it was measured with, which `modelship serve` of the release serves
+        numerics = {"engine": chosen.engine} if chosen.engine else {}
         metrics = {
             "release": number,
             "variant": winner.variant,
@@ -381,7 +310,7 @@ def _publish_release(storage, slug, ranking: Ranking, selection_hash, log) -> tu
             source=str(source),
             revision=read_manifest(source).revision,
             inputs_hash=selection_hash,
-            extra={"variant": winner.variant, "score": winner.score},
+            extra={"variant": winner.variant, "score": winner.score, **numerics},
         ) as staging:
             link_tree(source, staging)
             (staging / "production_metrics.json").write_text(json.dumps(metrics, indent=2))

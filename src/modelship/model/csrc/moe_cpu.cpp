@@ -6,10 +6,10 @@
 // (descending probability; ties go to the lower expert), renormalized over the k when the
 // family asks. Dispatch: the step's (token, expert) pairs are grouped by expert, tokens in
 // ascending order within each, and every active expert runs once on its group of rows
-// (gate_up -> silu * up -> down, W4A8 or dense). Experts run in ascending order and each
-// adds its weighted rows to its tokens' outputs as it finishes, so a token's output is
-// summed in ascending expert order from zero: the same bits whatever else is in the batch,
-// since each expert's matmuls compute a row on its own.
+// (gate_up -> silu * up -> down, W4A8 or dense). The weighted rows are added to their
+// tokens' outputs in ascending expert order, so a token's output is summed in ascending
+// expert order from zero: the same bits whatever else is in the batch, since each expert's
+// matmuls compute a row on its own.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,6 +42,10 @@ GatedMlp gated_mlp(const torch::Tensor* t, int64_t hidden, const char* name) {
 namespace {
 
 constexpr float kTaken = -1.0f;  // below every probability
+// Steps of at most this many rows run their experts side by side (`moe_forward`). Either way
+// a row gets the same bits: the matmuls compute a row alike however rows and outputs are
+// split over threads.
+constexpr int64_t kSideBySideRows = 16;
 
 // One token's top_k experts (descending probability, ties to the lower expert) and their
 // weights, from its E router logits; probs: E floats of scratch.
@@ -110,20 +114,52 @@ void moe_forward(const MoE& moe, const Routing& routing, const float* x, int64_t
   }
 
   std::fill(out, out + T * hidden, 0.0f);
-  std::vector<float> expert_out(T * hidden);  // an expert sees each token at most once
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = offsets[e], count = offsets[e + 1] - first;
-    if (count == 0) continue;
-    const int64_t* group = tokens.data() + first;
-    run_gated_mlp(count, moe.experts[e], s, gate_up,
-                  [&](int64_t i, float*) { return x + group[i] * hidden; }, expert_out.data());
-    for (int64_t i = 0; i < count; ++i) {
-      add_scaled(out + group[i] * hidden, expert_out.data() + i * hidden,
-                 token_weight[first + i], hidden);
+  std::vector<float> expert_out;  // [pairs, hidden] or [T, hidden]: see below
+  auto run_expert = [&](int64_t e, ProjectionScratch& scratch, float* up, float* result) {
+    const int64_t* group = tokens.data() + offsets[e];
+    run_gated_mlp(offsets[e + 1] - offsets[e], moe.experts[e], scratch, up,
+                  [&](int64_t i, float*) { return x + group[i] * hidden; }, result);
+  };
+  if (T <= kSideBySideRows) {
+    // Decode: a few rows per expert. The active experts run side by side, each on one
+    // thread with its matmuls inline (one parallel region a layer instead of two per
+    // expert), into their own rows of `expert_out`; the sums follow in expert order.
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < E; ++e) {
+      if (offsets[e + 1] > offsets[e]) active.push_back(e);
+    }
+    expert_out.resize(T * k * hidden);
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t begin, int64_t end) {
+      int64_t width = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        width = std::max(width, moe.experts[active[i]].intermediate);
+      }
+      ProjectionScratch scratch(T, std::max(hidden, width));
+      std::vector<float> up(T * 2 * width);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t e = active[i];
+        run_expert(e, scratch, up.data(), expert_out.data() + offsets[e] * hidden);
+      }
+    });
+    for (int64_t p = 0; p < T * k; ++p) {  // pairs in expert order
+      add_scaled(out + tokens[p] * hidden, expert_out.data() + p * hidden, token_weight[p],
+                 hidden);
+    }
+  } else {
+    // Prefill: each expert has rows enough to share out; experts one after the other.
+    expert_out.resize(T * hidden);  // an expert sees each token at most once
+    for (int64_t e = 0; e < E; ++e) {
+      if (offsets[e + 1] == offsets[e]) continue;
+      run_expert(e, s, gate_up, expert_out.data());
+      for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
+        add_scaled(out + tokens[p] * hidden, expert_out.data() + (p - offsets[e]) * hidden,
+                   token_weight[p], hidden);
+      }
     }
   }
 
   if (moe.has_shared) {
+    expert_out.resize(std::max(T * hidden, static_cast<int64_t>(expert_out.size())));
     std::vector<float> gate(T);
     dense_matmul(x, moe.shared_gate, T, gate.data());  // [T, 1]
     run_gated_mlp(T, moe.shared, s, gate_up,

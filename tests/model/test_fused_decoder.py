@@ -120,5 +120,6 @@ def test_unfusable_models_keep_the_python_path(tiny_llama_dir: Path) -> None:
     # fp16 compute: the op's activations are bf16 or fp32 (dense bf16 is fused: test_dense_cpu)
     assert load_model(tiny_llama_dir, dtype=torch.float16).fused_decoder is None
     model = demo_shaped_model(num_layers=1)
-    model.layers[0].qk_norm = True  # Qwen3's per-head q/k norm: not in the fused op
+    o_proj = model.layers[0].o_proj  # a bias on o_proj: not in the fused op
+    o_proj.bias = nn.Parameter(torch.zeros(o_proj.out_features), requires_grad=False)
     assert not model.use_fused_decoder() and model.fused_decoder is None

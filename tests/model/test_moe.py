@@ -3,7 +3,6 @@ tiny random weights: logits, expert choice per token, and the engine's greedy to
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -137,18 +136,6 @@ def test_moe_config_fields(tmp_path: Path) -> None:
     assert olmoe.qk_norm_scope == "full" and olmoe.clip_qkv == 2.0
     qwen2 = ModelConfig.from_dir(save_tiny_moe("qwen2_moe", tmp_path / "q2"))
     assert qwen2.qkv_bias and qwen2.moe is not None and qwen2.moe.shared_intermediate_size == 80
-
-
-def test_fused_decoder_falls_back_for_the_whole_model_and_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    folder = save_tiny_moe("olmoe", tmp_path / "o")
-    model = load_model(folder, dtype=torch.float32, fused_decoder=False)
-    with caplog.at_level(logging.INFO, logger="modelship.model.llama"):
-        assert not model.use_fused_decoder()
-    assert model.fused_decoder is None
-    assert "2 of 2 layers are mixture-of-experts" in caplog.text
-    assert "all layers run one by one" in caplog.text
 
 
 def test_bf16_default_follows_transformers(tmp_path: Path) -> None:

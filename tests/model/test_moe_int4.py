@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_int4 import logits_of, needs_w4a8, reference_logits
 
-from modelship.model import load_model
+from modelship.model import AttentionMetadata, allocate_kv_cache, load_model
 from modelship.model.quant.int4 import W4A8Linear
 from modelship.pipeline.optimize import recipe_for
 from modelship.pipeline.optimize.schemes import create_scheme
@@ -125,6 +125,40 @@ def test_mixtral_experts_load_from_llm_compressors_names(quantized_mixtral, tmp_
     actual = logits_of(model, ids)
     assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def cpu_logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """`logits_of` on the CPU attention kernel: the fused decoder's steps where it is on."""
+    caches = allocate_kv_cache(model.config, 8, 16, torch.float32, "cpu")
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[5, 1, 2, 3]], 16, "cpu", "cpu")
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(len(ids)), caches, meta))
+
+
+@needs_w4a8
+@pytest.mark.parametrize("fixture", ["quantized_moe", "quantized_mixtral"])
+def test_fused_decoder_runs_int4_experts_within_int4_tolerance(
+    fixture: str, request, tmp_path
+) -> None:
+    base, folder = request.getfixturevalue(fixture)
+    ids = torch.arange(3, 40)
+    model = load_model(folder)  # CPU, bf16 compute: W4A8 experts, all layers in the fused op
+    assert model.fused_decoder is not None
+    actual = cpu_logits_of(model, ids)
+    if fixture == "quantized_mixtral":
+        expected = dequantized_mixtral_logits(base, folder, ids, tmp_path)
+    else:
+        expected = reference_logits(folder, ids)  # transformers, dequantized to fp32
+    assert (actual - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    # fp32 activations on both paths: they differ only where an fp32 norm's last bit moves
+    # an activation across an int8 rounding boundary (`test_fused_decoder.ONE_INT8_STEP`)
+    model = load_model(folder, dtype=torch.float32)
+    fused = cpu_logits_of(model, ids)
+    model.fused_decoder = None
+    unfused = cpu_logits_of(model, ids)
+    assert (fused - unfused).norm() < 0.02 * unfused.norm()
+    assert (fused.argmax(-1) == unfused.argmax(-1)).float().mean() >= 0.9
 
 
 def test_mixtral_int4_checkpoint_with_the_original_expert_names_loads_the_same(

@@ -80,7 +80,7 @@ class EngineConfig:
     # triton imports), "cpu", "triton" or "sdpa"
     attention_backend: str = "auto"
     # run all decoder layers in one C++ call on CPU-kernel steps where the model allows it
-    # (W4A8 projections, no q/k norm; `model.fused_decoder`), else layer by layer in Python
+    # (W4A8 or dense CPU projections; `model.fused_decoder`), else layer by layer in Python
     fused_decoder: bool = True
     # decode-only steps of up to `cuda_graph_max_batch_size` sequences (and `max_num_seqs`)
     # replayed from captured graphs (`engine.cuda_graphs`): True captures CUDA graphs on a

@@ -8,7 +8,8 @@
 - `dense_linear` (used by `quant.base.dense_linear`): bf16/fp16/fp32 weights widened to fp32
   in registers, each row reduced in one order whatever the batch: `csrc/dense_cpu.cpp`;
 - `decoder_layers` (used by `fused_decoder.py`): every decoder layer in one call,
-  `csrc/decoder_cpu.cpp`, on the other files' kernels (`csrc/cpu_kernels.h`, `dense_cpu.h`).
+  `csrc/decoder_cpu.cpp`, its MLPs and mixture-of-experts dispatch in `csrc/moe_cpu.cpp`
+  (`mlp_cpu.h`), on the other files' kernels (`csrc/cpu_kernels.h`, `dense_cpu.h`).
 
 They need AVX2 + FMA + F16C; on other CPUs (and when the build fails) callers keep torch's
 kernels. The build is a torch C++ extension compiled with ninja into torch's extension
@@ -51,10 +52,11 @@ _SOURCES = [
         "q4_vnni.cpp",
         "attention_cpu.cpp",
         "decoder_cpu.cpp",
+        "moe_cpu.cpp",
         "dense_cpu.cpp",
     )
 ]
-_HEADERS = [_CSRC / "cpu_kernels.h", _CSRC / "q4_gemm.h", _CSRC / "dense_cpu.h"]
+_HEADERS = [_CSRC / name for name in ("cpu_kernels.h", "q4_gemm.h", "dense_cpu.h", "mlp_cpu.h")]
 # -ffp-contract=off: GCC would otherwise fuse a scalar `a += b * c` into an FMA in some
 # template instances and not in others, and a row would round differently depending on
 # which tile shape computed it (batch invariance needs one rounding per row).

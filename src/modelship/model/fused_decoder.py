@@ -7,10 +7,19 @@ kernels at batch 1. The fused op runs the glue as loops over rows in C++, with t
 residual stream in fp32 from the embedding to the final norm. Rows stay independent of
 each other (deterministic greedy decoding, as on the unfused path).
 
+Mixture-of-experts layers run in the op too (`csrc/moe_cpu.cpp`): the router in fp32, the
+top-k with the family's renormalization, each active expert once on its group of rows, and
+each token's weighted expert outputs summed in ascending expert order, so a row's result
+does not depend on the batch either; Qwen2-MoE's sigmoid-gated shared expert is added
+after them. The experts stay the per-expert modules the loader built; the op reads their
+tensors where they lie (no stacked copy, which would hold every expert twice or need the
+modules rebuilt as views of it).
+
 Taken for steps on the CPU attention kernel (`AttentionMetadata.block_table` set) when
-every projection is a `W4A8Linear` or a CPU `DenseLinear` and the layers have no q/k norm;
-everything else runs `DecoderLayer.forward`. Mixture-of-experts layers are not covered: a
-model with any runs all its layers one by one (`LlamaForCausalLM.use_fused_decoder` logs it).
+every projection is a `W4A8Linear` or a CPU `DenseLinear` (`can_fuse`); q/k RMSNorm (whole
+projection as OLMoE, per head as Qwen3) and q/k/v clipping are in the op. Everything else
+runs `DecoderLayer.forward`: sliding windows, an expert-parallel rank's share of the
+experts, fp16 activations, LoRA steps.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 from modelship.model.attention import AttentionMetadata
 from modelship.model.kv_cache import KVCache
 from modelship.model.layers import GatedMLP, RMSNorm
+from modelship.model.moe import MoEMLP
 from modelship.model.quant.base import DenseLinear
 from modelship.model.quant.int4 import W4A8Linear
 
@@ -45,16 +55,28 @@ def _is_fusable_projection(p: torch.nn.Module) -> bool:
     )
 
 
+def _mlps(mlp: torch.nn.Module) -> list[GatedMLP] | None:
+    """The gated MLPs the op runs for a layer: its MLP, or a routed layer's experts and
+    shared expert; None where the op has no such MLP (an expert-parallel rank's share)."""
+    if isinstance(mlp, GatedMLP):
+        return [mlp]
+    if isinstance(mlp, MoEMLP) and mlp.local_experts == (0, mlp.num_experts):
+        return [*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert is not None else [])]
+    return None
+
+
 def can_fuse(layer: DecoderLayer) -> bool:
-    """Whether the fused op computes this layer: a dense gated MLP (not mixture-of-experts),
-    W4A8 or dense bf16/fp32 CPU projections (a bias only on q/k/v; dense input widths
-    multiples of 8), no q/k norm, no q/k/v clipping."""
-    if not isinstance(layer.mlp, GatedMLP):
+    """Whether the fused op computes this layer: a dense gated MLP or a mixture of experts
+    holding all its experts (not an expert-parallel share), W4A8 or dense bf16/fp32 CPU
+    projections (a bias only on q/k/v; dense input widths multiples of 8), q/k norm widths
+    multiples of 8."""
+    mlps = _mlps(layer.mlp)
+    if mlps is None:
         return False
-    projections = (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    projections = [layer.qkv_proj, layer.o_proj]
+    projections += [p for mlp in mlps for p in (mlp.gate_up_proj, mlp.down_proj)]
     return (
-        not layer.qk_norm
-        and layer.clip_qkv is None
+        (not layer.qk_norm or (layer.q_norm.size % 8 == 0 and layer.k_norm.size % 8 == 0))
         and all(_is_fusable_projection(p) for p in projections)
         and all(p.bias is None for p in projections[1:])
     )
@@ -68,34 +90,63 @@ def _op_tensors(p: torch.nn.Module) -> list[torch.Tensor]:
     return [p.weight, torch.empty(0), torch.empty(0)]
 
 
+def _mlp_tensors(mlp: GatedMLP | None) -> list[torch.Tensor]:
+    """gate_up's three slots, then down's; six empty tensors for no MLP."""
+    if mlp is None:
+        return [torch.empty(0)] * 6
+    return [*_op_tensors(mlp.gate_up_proj), *_op_tensors(mlp.down_proj)]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
 class FusedDecoder:
     """The decoder layers' weights gathered once, in the op's order; callable per step.
 
-    Holds references to the projections' packed buffers or dense weights (no copies) and fp32
-    copies of the norm weights and q/k/v bias.
+    Holds references to the projections' packed buffers or dense weights, the experts' among
+    them (no copies: each expert keeps its own tensors, which the op reads where they lie,
+    so a model holds its experts once), and fp32 copies of the norm weights, the q/k/v bias,
+    the routers and the shared-expert gates.
     """
 
     def __init__(self, layers: list[DecoderLayer], final_norm: RMSNorm) -> None:
         if not layers or not all(can_fuse(layer) for layer in layers):
             raise ValueError("every layer must pass can_fuse")
         self.weights: list[torch.Tensor] = []
+        self.experts: list[torch.Tensor] = []  # the routed layers', layer by layer
+        self.top_k, self.normalize_top_k = 0, False
+        empty = torch.empty(0)
         for layer in layers:
-            qkv, o = layer.qkv_proj, layer.o_proj
-            gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
-            bias = torch.empty(0) if qkv.bias is None else qkv.bias.float().contiguous()
+            qkv, o, mlp = layer.qkv_proj, layer.o_proj, layer.mlp
+            routed = isinstance(mlp, MoEMLP)
+            qk_norm = (
+                [_fp32(layer.q_norm.weight), _fp32(layer.k_norm.weight)]
+                if layer.qk_norm
+                else [empty, empty]
+            )
             self.weights += [  # `LayerTensor` order in decoder_cpu.cpp
-                layer.input_layernorm.weight.float().contiguous(),
+                _fp32(layer.input_layernorm.weight),
                 *_op_tensors(qkv),
-                bias,
+                empty if qkv.bias is None else _fp32(qkv.bias),
+                *qk_norm,
                 *_op_tensors(o),
-                layer.post_attention_layernorm.weight.float().contiguous(),
-                *_op_tensors(gate_up),
-                *_op_tensors(down),
+                _fp32(layer.post_attention_layernorm.weight),
+                *_mlp_tensors(mlp.shared_expert if routed else mlp),
+                _fp32(mlp.gate.weight) if routed else empty,
+                _fp32(mlp.shared_expert_gate.weight)
+                if routed and mlp.shared_expert is not None
+                else empty,
             ]
-        self.final_norm = final_norm.weight.float().contiguous()
+            if routed:
+                self.top_k, self.normalize_top_k = mlp.top_k, mlp.gate.normalize
+                for expert in mlp.experts:
+                    self.experts += _mlp_tensors(expert)
+        self.final_norm = _fp32(final_norm.weight)
         self.eps = final_norm.eps
         self.num_heads = layers[0].num_heads
         self.scale = layers[0].scale
+        self.clip_qkv = layers[0].clip_qkv or 0.0  # 0: none
 
     def __call__(
         self,
@@ -108,6 +159,7 @@ class FusedDecoder:
         return torch.ops.modelship.decoder_layers(
             hidden.contiguous(),
             self.weights,
+            self.experts,
             self.final_norm,
             [cache.kv for cache in kv_caches],
             [cache.scales for cache in kv_caches if cache.scales is not None],
@@ -119,6 +171,9 @@ class FusedDecoder:
             meta.token_position,
             meta.block_size,
             self.num_heads,
+            self.top_k,
+            self.normalize_top_k,
             self.eps,
             self.scale,
+            self.clip_qkv,
         )

@@ -8,8 +8,9 @@ expert) and Qwen3-MoE.
 Tokens of all scheduled requests are flattened into one batch ([num_tokens, hidden]); the
 only per-request work is attention, which reads the paged KV cache (`attention.py`).
 q/k/v and gate/up are fused into one projection each at load time, so a layer runs four
-matmuls. On CPU-kernel steps with W4A8 projections all layers run in one C++ call
-(`fused_decoder.py`); `DecoderLayer.forward` is the path for everything else.
+matmuls. On CPU-kernel steps with W4A8 or dense CPU projections all layers, routed ones
+included, run in one C++ call (`fused_decoder.py`); `DecoderLayer.forward` is the path for
+everything else.
 Sliding windows (`sliding_window` in config.json: Mistral v0.1 and Phi-3 in every layer,
 Qwen2/3 past `max_window_layers`) go to every attention backend; the fused decoder has
 none, so a windowed model runs layer by layer.
@@ -226,16 +227,6 @@ class LlamaForCausalLM(CausalLM):
         """Run all layers in one C++ call on CPU-kernel steps; False where some layer is not
         fusable (see `fused_decoder.can_fuse`). The fallback is per model: the fused op
         runs every layer or none."""
-        moe_layers = sum(isinstance(layer.mlp, MoEMLP) for layer in self.layers)
-        if moe_layers:
-            logger.info(
-                "%s: %d of %d layers are mixture-of-experts, which the fused CPU decoder does "
-                "not cover: all layers run one by one",
-                self.config.architecture,
-                moe_layers,
-                len(self.layers),
-            )
-            return False
         if any(layer.window is not None for layer in self.layers):
             logger.info(
                 "%s: the fused CPU decoder has no sliding window (sliding_window %d): "
@@ -244,7 +235,14 @@ class LlamaForCausalLM(CausalLM):
                 self.config.sliding_window,
             )
             return False
-        if not all(can_fuse(layer) for layer in self.layers):
+        unfused = [i for i, layer in enumerate(self.layers) if not can_fuse(layer)]
+        if unfused:
+            logger.info(
+                "%s: layers %s are outside the fused CPU decoder (`fused_decoder.can_fuse`): "
+                "all layers run one by one",
+                self.config.architecture,
+                unfused,
+            )
             return False
         self.fused_decoder = FusedDecoder(list(self.layers), self.norm)
         return True

@@ -199,7 +199,8 @@ def load_model(
     the checkpoint's weights, "auto" int8 for quantized checkpoints on a CPU with bf16
     compute.
     `fused_decoder` runs all decoder layers in one C++ call on CPU-kernel steps where the
-    model allows it (W4A8 projections; see `fused_decoder.py`), else layer by layer.
+    model allows it (W4A8 or dense CPU projections; see `fused_decoder.py`), else layer by
+    layer.
     With `shard` (and its process `group`), only that tensor-parallel rank's slice of the
     projections is loaded and an all-reduce follows each row-parallel one
     (`tensor_parallel.py`); dense checkpoints only, no fused decoder.

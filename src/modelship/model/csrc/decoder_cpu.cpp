@@ -8,9 +8,10 @@
 //
 // Per layer, on fp32 rows (the residual stream stays fp32 from the embedding to the final
 // norm; only the result is rounded to the compute dtype):
-//   x = rmsnorm(residual) -> int8 per group -> qkv (+ bias) -> RoPE, K/V write, attention
-//   -> int8 -> o_proj; residual += o; x = rmsnorm(residual) -> int8 -> gate_up
-//   -> silu(gate) * up -> int8 -> down; residual += down
+//   x = rmsnorm(residual) -> int8 per group -> qkv (+ bias) [-> q/k rmsnorm] [-> clip]
+//   -> RoPE, K/V write, attention -> int8 -> o_proj; residual += o; x = rmsnorm(residual)
+//   -> the MLP: int8 -> gate_up -> silu(gate) * up -> int8 -> down, or a routed layer's
+//   experts (`moe_cpu.cpp`); residual += MLP
 // (a dense projection takes its fp32 rows as they are, without the int8 step)
 // Every row is computed on its own: its norm, activation quantization and matmul
 // reductions do not depend on the other rows or on how a prompt was chunked, so greedy
@@ -18,6 +19,8 @@
 //
 //   hidden   [T, hidden] bf16 or fp32: the embeddings of this step's tokens
 //   weights  kTensorsPerLayer tensors per layer, in `LayerTensor` order (`fused_decoder.py`)
+//   experts  the routed layers' experts, layer by layer, E x 6 tensors each (gate_up's
+//            three, then down's: as the gate_up and down slots of `LayerTensor`)
 //   kv_caches  one [num_slots, 2, KVH, D] per layer, fp32 or int8
 //   kv_scales  int8 caches: one fp32 [num_slots, 2, KVH] per layer; fp32 caches: none
 //   -> [T, hidden] in hidden's dtype: the final norm of the last layer's residual stream
@@ -33,42 +36,45 @@
 
 #include "cpu_kernels.h"
 #include "dense_cpu.h"
+#include "mlp_cpu.h"
 
 namespace {
 
-using modelship::exp8;
 using modelship::hsum;
-using modelship::Q4Weight;
-using modelship::QuantizedActivations;
+using modelship::project;
+using modelship::projection;
+using modelship::Projection;
 
-// The tensors of one layer: norm weights and the q/k/v bias fp32 (bias: an empty tensor
-// when the model has none), each projection as (qweight, scales, mins) of `pack_q4`, or
-// dense as (weight [N, K] bf16/fp16/fp32, empty, empty).
+// The tensors of one layer: norm weights, the q/k/v bias, q/k norm weights and the router
+// fp32 (an empty tensor where the model has none), each projection as (qweight, scales,
+// mins) of `pack_q4`, or dense as (weight [N, K] bf16/fp16/fp32, empty, empty).
+//   q/k norm: [H D] and [KVH D] over the whole projection (OLMoE), or [D] per head (Qwen3)
+//   gate_up, down: the dense MLP; in a routed layer the shared expert, or empty for none
+//   router: a routed layer's [E, hidden]; shared_gate: its shared expert's [hidden]
 enum LayerTensor : int64_t {
   kInputNorm,
   kQkvWeight, kQkvScales, kQkvMins, kQkvBias,
+  kQNorm, kKNorm,
   kOWeight, kOScales, kOMins,
   kPostNorm,
   kGateUpWeight, kGateUpScales, kGateUpMins,
   kDownWeight, kDownScales, kDownMins,
+  kRouter, kSharedGate,
   kTensorsPerLayer,
-};
-
-// One projection: W4A8 on int8 activations, or dense on the fp32 rows.
-struct Projection {
-  Q4Weight q4;
-  modelship::DenseWeight dense;
-  bool is_dense;
 };
 
 struct Layer {
   const float* input_norm;  // [hidden]
   Projection qkv;           // [(H + 2 KVH) D, hidden]
   const float* qkv_bias;    // [(H + 2 KVH) D] or null
+  const float* q_norm;      // [H D] or [D] (per head), or null
+  const float* k_norm;      // [KVH D] or [D] (per head), with q_norm
+  bool qk_norm_per_head;
   Projection o;             // [hidden, H D]
   const float* post_norm;   // [hidden]
-  Projection gate_up;       // [2 I, hidden]
-  Projection down;          // [hidden, I]
+  bool is_moe;
+  modelship::GatedMlp mlp;  // not is_moe: the layer's MLP
+  modelship::MoE moe;       // is_moe
   float* kv;                // this layer's fp32 cache [num_slots, 2, KVH, D], or null
   int8_t* kv_int8;          // this layer's int8 cache [num_slots, 2, KVH, D], or null
   float* kv_scales;         // with kv_int8: [num_slots, 2, KVH]
@@ -96,18 +102,6 @@ const float* fp32_vector(const torch::Tensor& t, int64_t size, const char* name)
   return t.data_ptr<float>();
 }
 
-Q4Weight q4_weight(const torch::Tensor* t, int64_t N, int64_t K, const char* name) {
-  Q4Weight w = modelship::q4_weight(t[0], t[1], t[2], K, name);
-  TORCH_CHECK(w.N == (N + 7) / 8 * 8, name, ": ", (N + 7) / 8, " blocks of 8 rows for N = ", N);
-  w.N = N;
-  return w;
-}
-
-Projection projection(const torch::Tensor* t, int64_t N, int64_t K, const char* name) {
-  if (t[0].scalar_type() == at::kByte) return {q4_weight(t, N, K, name), {}, false};
-  return {{}, modelship::dense_weight(t[0], N, K, name), true};
-}
-
 // residual += branch (when given); x = rmsnorm(residual) * weight, all fp32. The sum of
 // squares is reduced in one fixed order per row.
 inline void add_rmsnorm(float* residual, const float* branch, const float* weight, int64_t K,
@@ -128,63 +122,41 @@ inline void add_rmsnorm(float* residual, const float* branch, const float* weigh
   }
 }
 
-// x = silu(gate) * up over I columns; silu(g) = g / (1 + exp(-g)), exp's input capped at
-// 88 (where g / (1 + e^88) is already -0).
-inline void silu_mul(const float* gate, const float* up, int64_t I, float* x) {
-  const __m256 one = _mm256_set1_ps(1.0f), cap = _mm256_set1_ps(88.0f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t k = 0; k < I; k += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + k);
-    const __m256 e = exp8(_mm256_min_ps(_mm256_xor_ps(g, sign), cap));
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(x + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+// q/k RMSNorm (whole q and k, or per head of width D) and clipping of one qkv row, in place.
+void norm_and_clip_qkv(const Layer& layer, float* row, int64_t H, int64_t KVH, int64_t D,
+                       float eps, float clip) {
+  if (layer.q_norm != nullptr) {
+    if (layer.qk_norm_per_head) {
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        float* head = row + h * D;
+        add_rmsnorm(head, nullptr, h < H ? layer.q_norm : layer.k_norm, D, eps, head);
+      }
+    } else {
+      add_rmsnorm(row, nullptr, layer.q_norm, H * D, eps, row);
+      add_rmsnorm(row + H * D, nullptr, layer.k_norm, KVH * D, eps, row + H * D);
+    }
+  }
+  if (clip > 0.0f) {
+    for (int64_t i = 0; i < (H + 2 * KVH) * D; ++i) row[i] = std::clamp(row[i], -clip, clip);
   }
 }
 
-// Quantize T rows for `w` (its K and group size), each row first made by `make_row(t, buf)`
-// into a K-wide fp32 buffer (or taken as is when it returns a pointer of its own).
-template <typename MakeRow>
-void quantize_rows(int64_t T, const Q4Weight& w, QuantizedActivations& a, MakeRow make_row) {
-  const int64_t K = w.K, groups = K / w.G;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(K);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = make_row(t, buf.data());
-      modelship::quantize_row(row, K, w.G, a.q.data() + t * K, a.d.data() + t * groups,
-                              a.qsum.data() + t * groups);
-    }
-  });
-}
-
-// out [T, N] = T rows, each made by `make_row(t, buf)` (as in `quantize_rows`), times the
-// projection: quantized to int8 into `a` for W4A8, gathered as fp32 into `rows` for dense.
-template <typename MakeRow>
-void project(int64_t T, const Projection& p, QuantizedActivations& a, std::vector<float>& rows,
-             MakeRow make_row, float* out) {
-  if (!p.is_dense) {
-    quantize_rows(T, p.q4, a, make_row);
-    modelship::q4_matmul(a, p.q4, T, out);
-    return;
-  }
-  const int64_t K = p.dense.K;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* buf = rows.data() + t * K;
-      const float* row = make_row(t, buf);
-      if (row != buf) std::copy(row, row + K, buf);
-    }
-  });
-  modelship::dense_matmul(rows.data(), p.dense, T, out);
+// A tensor of fp32 [rows, hidden] as a dense weight for `dense_matmul`.
+modelship::DenseWeight fp32_matrix(const torch::Tensor& t, int64_t hidden, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": fp32");
+  return modelship::dense_weight(t, t.size(0), hidden, name);
 }
 
 }  // namespace
 
 torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights,
-                             const torch::Tensor& final_norm, at::TensorList kv_caches,
-                             at::TensorList kv_scales, const torch::Tensor& cos,
-                             const torch::Tensor& sin, const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
+                             at::TensorList experts, const torch::Tensor& final_norm,
+                             at::TensorList kv_caches, at::TensorList kv_scales,
+                             const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& slot_mapping, const torch::Tensor& block_table,
                              const torch::Tensor& token_req, const torch::Tensor& token_pos,
-                             int64_t block_size, int64_t num_heads, double eps, double scale) {
+                             int64_t block_size, int64_t num_heads, int64_t top_k,
+                             bool normalize_top_k, double eps, double scale, double clip_qkv) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() &&
                   (hidden.scalar_type() == at::kBFloat16 || hidden.scalar_type() == at::kFloat),
               "hidden: contiguous bf16 or fp32 [T, hidden]");
@@ -206,11 +178,10 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
                   cos.size(1) == D && cos.sizes() == sin.sizes(),
               "cos and sin: contiguous fp32 [max_positions, head_dim]");
   const int64_t qkv_width = (H + 2 * KVH) * D;
-  const torch::Tensor& down0 = weights[kDownWeight];  // int4 [blocks, 4 I] or dense [N, I]
-  const int64_t intermediate = down0.size(1) / (down0.scalar_type() == at::kByte ? 4 : 1);
-  // the norm and SiLU loops run 8 columns at a time (int4 group sizes are multiples of 64)
-  TORCH_CHECK(hidden_size % 8 == 0 && intermediate % 8 == 0,
-              "hidden and intermediate sizes must be multiples of 8");
+  // the norm loops run 8 columns at a time (int4 group sizes are multiples of 64)
+  TORCH_CHECK(hidden_size % 8 == 0, "the hidden size must be a multiple of 8");
+  int64_t max_intermediate = 0;  // the widest MLP or expert: the scratch buffers' width
+  int64_t next_expert = 0;       // experts of the routed layers before this one
 
   std::vector<Layer> layers(num_layers);
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -225,10 +196,39 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
     layer.qkv_bias = w[kQkvBias].numel() == 0
                          ? nullptr
                          : fp32_vector(w[kQkvBias], qkv_width, "qkv_proj bias");
+    layer.q_norm = layer.k_norm = nullptr;
+    layer.qk_norm_per_head = w[kQNorm].numel() == D && w[kKNorm].numel() == D;
+    if (w[kQNorm].numel() != 0) {
+      layer.q_norm = fp32_vector(w[kQNorm], layer.qk_norm_per_head ? D : H * D, "q_norm");
+      layer.k_norm = fp32_vector(w[kKNorm], layer.qk_norm_per_head ? D : KVH * D, "k_norm");
+    }
     layer.o = projection(w + kOWeight, hidden_size, H * D, "o_proj");
     layer.post_norm = fp32_vector(w[kPostNorm], hidden_size, "post_attention_norm");
-    layer.gate_up = projection(w + kGateUpWeight, 2 * intermediate, hidden_size, "gate_up_proj");
-    layer.down = projection(w + kDownWeight, hidden_size, intermediate, "down_proj");
+    layer.is_moe = w[kRouter].numel() != 0;
+    if (!layer.is_moe) {
+      layer.mlp = modelship::gated_mlp(w + kGateUpWeight, hidden_size, "mlp");
+      max_intermediate = std::max(max_intermediate, layer.mlp.intermediate);
+    } else {
+      modelship::MoE& moe = layer.moe;
+      moe.router = fp32_matrix(w[kRouter], hidden_size, "router");
+      const int64_t E = moe.router.N;
+      TORCH_CHECK(1 <= top_k && top_k <= E, "top_k must be in [1, ", E, "], got ", top_k);
+      TORCH_CHECK(static_cast<int64_t>(experts.size()) >= (next_expert + E) * 6,
+                  "experts: 6 tensors for each of the routed layers' experts");
+      for (int64_t e = 0; e < E; ++e) {
+        moe.experts.push_back(modelship::gated_mlp(experts.data() + (next_expert + e) * 6,
+                                                   hidden_size, "expert"));
+        max_intermediate = std::max(max_intermediate, moe.experts.back().intermediate);
+      }
+      next_expert += E;
+      moe.has_shared = w[kGateUpWeight].numel() != 0;
+      if (moe.has_shared) {
+        moe.shared = modelship::gated_mlp(w + kGateUpWeight, hidden_size, "shared_expert");
+        moe.shared_gate = fp32_matrix(w[kSharedGate], hidden_size, "shared_expert_gate");
+        TORCH_CHECK(moe.shared_gate.N == 1, "shared_expert_gate: [1, hidden]");
+        max_intermediate = std::max(max_intermediate, moe.shared.intermediate);
+      }
+    }
     layer.kv = nullptr;
     layer.kv_int8 = nullptr;
     layer.kv_scales = nullptr;
@@ -244,7 +244,10 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
       layer.kv = kv.data_ptr<float>();
     }
   }
+  TORCH_CHECK(static_cast<int64_t>(experts.size()) == next_expert * 6,
+              "experts: 6 tensors for each of the routed layers' experts, no more");
   const float* final_weight = fp32_vector(final_norm, hidden_size, "final_norm");
+  const modelship::Routing routing{top_k, normalize_top_k};
 
   modelship::PagedStep step{T,
                             nullptr,
@@ -279,47 +282,50 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
   const auto embedded = hidden.to(at::kFloat).contiguous();
   std::vector<float> residual(embedded.data_ptr<float>(),
                               embedded.data_ptr<float>() + T * hidden_size);
-  std::vector<float> branch(T * hidden_size);  // o_proj, then down_proj output
+  std::vector<float> branch(T * hidden_size);  // o_proj, then the MLP's output
   std::vector<float> qkv(T * qkv_width), q(T * H * D), attn(T * H * D);
-  std::vector<float> gate_up(T * 2 * intermediate);
-  const int64_t max_k = std::max({hidden_size, H * D, intermediate});
-  QuantizedActivations a;
-  a.q.resize(T * max_k);
-  a.d.resize(T * (max_k / 64));  // group sizes are multiples of 64
-  a.qsum.resize(T * (max_k / 64));
-  std::vector<float> rows(T * max_k);  // a dense projection's fp32 input
+  std::vector<float> gate_up(T * 2 * max_intermediate);
+  std::vector<float> mlp_input(T * hidden_size);  // a routed layer's normed rows
+  modelship::ProjectionScratch scratch(T, std::max({hidden_size, H * D, max_intermediate}));
   const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
+  const float fclip = static_cast<float>(clip_qkv);
 
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& layer = layers[l];
     // The previous layer's down output joins the residual stream here (none before layer 0).
     const float* previous = l == 0 ? nullptr : branch.data();
-    project(T, layer.qkv, a, rows, [&](int64_t t, float* buf) {
+    project(T, layer.qkv, scratch, [&](int64_t t, float* buf) {
       add_rmsnorm(residual.data() + t * hidden_size,
                   previous ? previous + t * hidden_size : nullptr, layer.input_norm,
                   hidden_size, feps, buf);
       return buf;
     }, qkv.data());  // [T, (H + 2 KVH) D]
-    if (layer.qkv_bias != nullptr) {
-      for (int64_t t = 0; t < T; ++t) {
-        float* row = qkv.data() + t * qkv_width;
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = qkv.data() + t * qkv_width;
+      if (layer.qkv_bias != nullptr) {
         for (int64_t i = 0; i < qkv_width; ++i) row[i] += layer.qkv_bias[i];
       }
+      norm_and_clip_qkv(layer, row, H, KVH, D, feps, fclip);
     }
     attend(layer, qkv.data(), step, cos.data_ptr<float>(), sin.data_ptr<float>(), H, KVH, D,
            fscale, q.data(), attn.data());
-    project(T, layer.o, a, rows, [&](int64_t t, float*) { return attn.data() + t * H * D; },
+    project(T, layer.o, scratch, [&](int64_t t, float*) { return attn.data() + t * H * D; },
             branch.data());  // [T, hidden]
-    project(T, layer.gate_up, a, rows, [&](int64_t t, float* buf) {
+    auto post_norm = [&](int64_t t, float* buf) {
       add_rmsnorm(residual.data() + t * hidden_size, branch.data() + t * hidden_size,
                   layer.post_norm, hidden_size, feps, buf);
       return buf;
-    }, gate_up.data());  // [T, 2 I]: gate | up
-    project(T, layer.down, a, rows, [&](int64_t t, float* buf) {
-      const float* row = gate_up.data() + t * 2 * intermediate;
-      silu_mul(row, row + intermediate, intermediate, buf);
-      return buf;
-    }, branch.data());  // [T, hidden]
+    };
+    if (!layer.is_moe) {
+      modelship::run_gated_mlp(T, layer.mlp, scratch, gate_up.data(), post_norm, branch.data());
+      continue;
+    }
+    // the router and every expert read the normed rows: made once
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) post_norm(t, mlp_input.data() + t * hidden_size);
+    });
+    modelship::moe_forward(layer.moe, routing, mlp_input.data(), T, hidden_size, scratch,
+                           gate_up.data(), branch.data());  // [T, hidden]
   }
 
   const bool is_bf16 = hidden.scalar_type() == at::kBFloat16;
@@ -341,10 +347,11 @@ torch::Tensor decoder_layers(const torch::Tensor& hidden, at::TensorList weights
 
 TORCH_LIBRARY_FRAGMENT(modelship, m) {
   m.def(
-      "decoder_layers(Tensor hidden, Tensor[] weights, Tensor final_norm, Tensor(a!)[] kv_caches, "
-      "Tensor(b!)[] kv_scales, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_table, "
-      "Tensor token_req, Tensor token_pos, int block_size, int num_heads, float eps, "
-      "float scale) -> Tensor");
+      "decoder_layers(Tensor hidden, Tensor[] weights, Tensor[] experts, Tensor final_norm, "
+      "Tensor(a!)[] kv_caches, Tensor(b!)[] kv_scales, Tensor cos, Tensor sin, "
+      "Tensor slot_mapping, Tensor block_table, Tensor token_req, Tensor token_pos, "
+      "int block_size, int num_heads, int top_k, bool normalize_top_k, float eps, "
+      "float scale, float clip_qkv) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelship, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

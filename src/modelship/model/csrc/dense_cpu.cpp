@@ -134,7 +134,7 @@ bool has_avx512() {
 }
 
 // The next group's weight bytes, fetched into L2 a few lines per tile step while this group
-// computes, so that its widening finds them there: with 4 to 16 rows, a group's compute and
+// computes, so that its widening finds them there: with 8 to 16 rows, a group's compute and
 // its weights' trip from memory take about as long, and overlap instead of adding up.
 struct Prefetcher {
   const char* next;

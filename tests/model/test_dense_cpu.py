@@ -25,20 +25,60 @@ def random(*shape: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 16, 19])
-@pytest.mark.parametrize(("out_features", "in_features"), [(37, 100), (64, 576)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 6, 7, 16, 19, 33])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 100), (64, 576), (13, 1100)])
 def test_dense_linear_matches_a_float64_reference(
     dtype: torch.dtype, num_rows: int, out_features: int, in_features: int
 ) -> None:
-    # 37 outputs: tiles of 4 / 2 columns and single ones; 100 inputs: an 8-wide loop, then 4
+    # 37 outputs: tiles of 4 / 2 columns and single ones, AVX-512 groups of 8 then 5 (an odd
+    # row in the last pair); 100 inputs: an 8-wide loop, then 4; 1100: three K blocks, then 4
     weight = random(out_features, in_features, seed=1).to(dtype)
     x = random(num_rows, in_features, seed=2)
     bias = random(out_features, seed=3)
     expected = x.double() @ weight.double().T + bias.double()
     actual = cpu_kernels.dense_linear(x, weight, bias)
     assert actual.dtype == torch.float32 and actual.shape == (num_rows, out_features)
-    # fp32 accumulation over up to 576 products of unit-scale values: rounding reaches ~1e-5
+    # fp32 accumulation over up to 1100 products of unit-scale values: rounding reaches ~1e-5
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+# (outputs, inputs): whole and partial 8-row groups (1, 2, 7 rows in the last one), K below
+# one 8-column step, with a tail, and over several K blocks of 512 columns
+ISA_SHAPES = [(8, 64), (41, 100), (3, 5), (18, 1100), (57, 576)]
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), ISA_SHAPES)
+def test_every_tile_gives_the_avx2_tiles_bits(
+    dtype: torch.dtype, out_features: int, in_features: int
+) -> None:
+    """Rows 1 .. 33 (every remainder of the 6-row AVX-512 tiles, the 4-row AVX2 ones and the
+    memory-bound few-row tiles) give bitwise the AVX2 tiles' result, and each row alone
+    (the decode path) gives the same bits as it does in a batch of 33."""
+    weight = random(out_features, in_features, seed=6).to(dtype)
+    x = random(33, in_features, seed=7)
+    batched = cpu_kernels.dense_linear(x, weight, None)
+    assert torch.equal(cpu_kernels.dense_linear(x, weight, None, isa="avx2"), batched)
+    for num_rows in range(1, 34):
+        rows = cpu_kernels.dense_linear(x[-num_rows:], weight, None)
+        assert torch.equal(rows, batched[-num_rows:]), num_rows
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES)
+def test_prefill_sized_batches_keep_each_rows_bits(dtype: torch.dtype) -> None:
+    # 131 rows: the AVX-512 path's blocks of 128 rows, then 3
+    weight = random(50, 1100, seed=8).to(dtype)
+    x = random(131, 1100, seed=9)
+    batched = cpu_kernels.dense_linear(x, weight, None)
+    assert torch.equal(cpu_kernels.dense_linear(x, weight, None, isa="avx2"), batched)
+    for start, size in [(0, 1), (127, 1), (130, 1), (5, 128), (100, 31)]:
+        rows = cpu_kernels.dense_linear(x[start : start + size], weight, None)
+        assert torch.equal(rows, batched[start : start + size]), (start, size)
+
+
+def test_dense_linear_names_an_unknown_isa() -> None:
+    with pytest.raises(RuntimeError, match="isa"):
+        cpu_kernels.dense_linear(random(2, 8, seed=1), random(4, 8, seed=2), None, isa="sse")
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES)

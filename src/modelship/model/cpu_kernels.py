@@ -235,8 +235,9 @@ def dense_linear(
     x: torch.Tensor,  # [n, in] float
     weight: torch.Tensor,  # [out, in] bf16, fp16 or fp32, contiguous
     bias: torch.Tensor | None,  # [out]
+    isa: str = "auto",  # "avx2" keeps to the AVX2 tiles (the same bits as AVX-512's)
 ) -> torch.Tensor:  # [n, out] fp32
-    return torch.ops.modelship.dense_linear(x, weight, bias)
+    return torch.ops.modelship.dense_linear(x, weight, bias, isa)
 
 
 def paged_attention(

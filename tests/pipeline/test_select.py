@@ -262,7 +262,9 @@ def test_the_4bit_head_is_measured_as_a_candidate_and_its_release_serves_it(pipe
     )  # fmt: skip
     messages: list[str] = []
     result = select(storage, "tiny", memory, variants=[source], log=messages.append)
-    assert sum("evaluation memoized" in m for m in messages) == 3  # base, source, its head
+    # the source and its head are memoized (the base may be measured again: an earlier test
+    # of this module selects with another multiple-choice set)
+    assert {f"{source}: evaluation memoized", f"{path.stem}: evaluation memoized"} <= set(messages)
     assert result.winner == path.stem, [(s.variant, s.score) for s in result.scores]
     release = storage.release_dir("tiny", result.release)
     manifest = read_manifest(release)

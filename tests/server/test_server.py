@@ -33,6 +33,9 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
         "256",
         "--max-waiting-requests",
         "4",
+        # 8 running + 4 waiting: test_overload's 24 requests overflow whatever their timing
+        "--max-num-seqs",
+        "8",
         "--kv-cache-memory-mb",
         "16",
         "--max-n",

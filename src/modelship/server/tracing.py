@@ -43,11 +43,22 @@ class TracingMiddleware:
             kind=SpanKind.SERVER,
         )  # fmt: skip
         status = 500  # unless a response starts
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                end_span(span, {"status": status}, error=status >= 500)
 
         async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Ended before the last byte leaves, so the span lies within the caller's
+                # (the gateway's attempt ends when that byte arrives).
+                end()
             await send(message)
 
         # Current for this task and the tasks it starts (the streaming response's).
@@ -56,7 +67,7 @@ class TracingMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             otel_context.detach(token)
-            end_span(span, {"status": status}, error=status >= 500)
+            end()
 
 
 @dataclass

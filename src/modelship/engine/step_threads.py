@@ -45,12 +45,20 @@ class StepThreads:
     def threads_for(self, num_tokens: int | None) -> int:
         """Threads for a step of `num_tokens` (None: not a step, e.g. scoring)."""
         if num_tokens is not None:
-            for most_tokens, threads in self.rules:
-                if num_tokens <= most_tokens:
-                    return threads
-            if self.adaptive is not None and num_tokens > 0:
+            ruled = self._rule(num_tokens)
+            if ruled is not None:
+                return ruled
+            if self._adapts(num_tokens):
                 return self.adaptive.threads_for(num_tokens)
         return self.default
+
+    def _rule(self, num_tokens: int) -> int | None:
+        """The threads of the first rule the step fits, if any."""
+        return next((threads for most, threads in self.rules if num_tokens <= most), None)
+
+    def _adapts(self, num_tokens: int) -> bool:
+        """Whether `adaptive` picks (and times) steps of this size: no rule covers it."""
+        return self.adaptive is not None and num_tokens > 0 and self._rule(num_tokens) is None
 
     def apply(self, num_tokens: int | None) -> int:
         """Set torch's (and so OpenMP's) thread count for work on this thread, where rules
@@ -65,11 +73,7 @@ class StepThreads:
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """A step of `num_tokens` took `seconds` on `threads` (what `apply` returned)."""
-        if (
-            self.adaptive is not None
-            and num_tokens > 0
-            and not any(num_tokens <= most for most, _ in self.rules)
-        ):
+        if self._adapts(num_tokens):
             self.adaptive.record(num_tokens, threads, seconds)
 
 
